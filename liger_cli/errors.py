@@ -1,0 +1,12 @@
+"""Errors a user can act on.
+
+A `UserError` is a mistake in what the user gave us (recipe, data, arguments, paths). The CLI
+prints its message on one line to stderr and exits 2, with no traceback. Everything else is a
+runtime failure (exit 1).
+"""
+
+
+class UserError(Exception):
+    """A problem in the user's input; the message names the problem and the fix."""
+
+    exit_code = 2
