@@ -1,0 +1,129 @@
+"""The `liger` command line: parse, call, print, exit code. Nothing heavy is imported here.
+
+Exit codes: 0 success; 1 runtime failure; 2 user error (bad recipe, arguments, data or path);
+3 `inspect-wrap --strict` found warnings.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from liger_cli.errors import UserError
+
+app = typer.Typer(
+    name="liger",
+    help="Fine-tune LLMs from a YAML recipe: PEFT adapters, our Triton kernels, FSDP done right.",
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+
+
+def _user_errors(command):
+    """Turn a UserError into one line on stderr and exit 2: no traceback for user mistakes."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except UserError as err:
+            typer.echo(f"error: {err}", err=True)
+            raise typer.Exit(err.exit_code) from None
+
+    return wrapper
+
+
+SetOption = Annotated[
+    list[str] | None,
+    typer.Option("--set", help="Override a recipe key, e.g. --set training.lr=1e-4 (repeatable)."),
+]
+
+
+@app.command()
+@_user_errors
+def train(
+    recipe: Annotated[Path, typer.Argument(help="The YAML recipe.")],
+    set_: SetOption = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print the resolved recipe and the Plan, then exit.")
+    ] = False,
+) -> None:
+    """Fine-tune a model as the recipe says (one process here, or many through accelerate)."""
+    from liger_cli.recipe import load_recipe
+
+    loaded = load_recipe(recipe, set_ or [])
+    if dry_run:
+        from liger_cli.plan import dry_run_plan
+
+        typer.echo("# resolved recipe")
+        typer.echo(loaded.to_yaml())
+        typer.echo(dry_run_plan(loaded).render())
+        return
+    from liger_cli.launch import launch
+
+    raise typer.Exit(launch(loaded, recipe_path=recipe, overrides=set_ or []))
+
+
+@app.command("inspect-wrap")
+@_user_errors
+def inspect_wrap(
+    model: Annotated[
+        str | None,
+        typer.Argument(help="A local model folder, a config.json, or package.module:factory."),
+    ] = None,
+    recipe: Annotated[Path | None, typer.Option(help="Inspect exactly the plan this recipe would run.")] = None,
+    backend: Annotated[str | None, typer.Option(help="fsdp1 or fsdp2 (default fsdp2).")] = None,
+    wrap_classes: Annotated[str | None, typer.Option(help="Comma-separated classes to wrap, e.g. A,B.")] = None,
+    num_processes: Annotated[int | None, typer.Option(help="Ranks to shard over (per-rank sizes).")] = None,
+    lora: Annotated[bool, typer.Option(help="Apply the default LoRA to show frozen/trainable mixing.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    strict: Annotated[bool, typer.Option(help="Exit 3 when the plan has warnings.")] = False,
+) -> None:
+    """Show how FSDP will shard a model, without loading weights, and warn about plans known to break."""
+    if model is None and recipe is None:
+        raise UserError("give a MODEL (folder, config.json or package.module:factory) or --recipe RECIPE")
+    if backend is not None and backend not in ("fsdp1", "fsdp2"):
+        raise UserError(f"--backend {backend!r}: choose fsdp1 or fsdp2")
+    if num_processes is not None and num_processes < 1:
+        raise UserError(f"--num-processes {num_processes}: must be at least 1")
+    from liger_cli.inspect import inspect_command
+
+    raise typer.Exit(
+        inspect_command(
+            model=model,
+            recipe=recipe,
+            backend=backend,
+            wrap_classes=wrap_classes,
+            num_processes=num_processes,
+            lora=lora,
+            json_out=json_out,
+            strict=strict,
+        )
+    )
+
+
+@app.command()
+@_user_errors
+def merge(
+    run_dir: Annotated[Path, typer.Argument(help="A finished run's output.dir (holds the final adapter).")],
+    out_dir: Annotated[Path, typer.Argument(help="Where to write the merged full model.")],
+    overwrite: Annotated[bool, typer.Option(help="Replace a non-empty OUT_DIR.")] = False,
+) -> None:
+    """Merge a run's LoRA adapter into its base model and save the full model (save_pretrained)."""
+    from liger_cli.model import merge_adapter
+
+    merge_adapter(run_dir, out_dir, overwrite=overwrite)
+    typer.echo(f"merged model written to {out_dir}")
+
+
+def main() -> None:
+    app(prog_name="liger")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""Model, tokenizer, adapters and kernels, built as the recipe and the Plan say.
+
+The order matters and is the same everywhere: load (or build) the model, switch off the KV cache,
+add the adapter through peft, enable activation checkpointing, patch our kernels into the
+instance. Loading passes every argument of `model.load_kwargs` to `from_pretrained` untouched
+(field failure 2: a wrapper that drops a loading argument breaks engines such as ZeRO-3).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from liger_cli.errors import UserError
+from liger_cli.plan import Plan
+from liger_cli.recipe import Recipe
+
+log = logging.getLogger("liger")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def model_dtype(recipe: Recipe, plan: Plan) -> torch.dtype:
+    """Weights stay fp32 under mixed precision; an explicit model.dtype wins."""
+    if recipe.model.dtype != "auto":
+        return DTYPES[recipe.model.dtype]
+    return torch.float32
+
+
+def load_tokenizer(recipe: Recipe):
+    from transformers import AutoTokenizer
+
+    source = recipe.model.tokenizer or recipe.model.path
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=recipe.model.trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise UserError(f"cannot load a tokenizer from {source}: {err}; set model.tokenizer to a tokenizer folder") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _config(recipe: Recipe):
+    from transformers import AutoConfig
+
+    source = recipe.model.path or recipe.model.config
+    try:
+        return AutoConfig.from_pretrained(source, trust_remote_code=recipe.model.trust_remote_code)
+    except (OSError, ValueError, KeyError) as err:
+        raise UserError(f"cannot read the model config at {source}: {err}") from None
+
+
+def load_base_model(recipe: Recipe, plan: Plan) -> nn.Module:
+    """`from_pretrained` for a model folder, `from_config` (seeded random init) for model.config."""
+    from transformers import AutoModelForCausalLM
+
+    m = recipe.model
+    kwargs = {"dtype": model_dtype(recipe, plan), "trust_remote_code": m.trust_remote_code}
+    if m.attn_implementation:
+        kwargs["attn_implementation"] = m.attn_implementation
+    if m.path is not None:
+        model = AutoModelForCausalLM.from_pretrained(m.path, **kwargs, **m.load_kwargs)
+    else:
+        torch.manual_seed(recipe.training.seed)
+        model = AutoModelForCausalLM.from_config(_config(recipe), **kwargs)
+    model.config.use_cache = False  # a cache during recompute grows and breaks checkpointing (field failure 3)
+    return model
+
+
+def _peft_config(recipe: Recipe):
+    from peft import LoraConfig
+
+    a = recipe.adapter
+    return LoraConfig(
+        r=a.r,
+        lora_alpha=a.alpha,
+        lora_dropout=a.dropout,
+        target_modules=a.target_modules,
+        use_dora=a.type == "dora",
+        task_type="CAUSAL_LM",
+    )
+
+
+def add_adapter(model: nn.Module, recipe: Recipe) -> nn.Module:
+    if recipe.adapter.type == "none":
+        return model
+    from peft import get_peft_model
+
+    try:
+        return get_peft_model(model, _peft_config(recipe))
+    except ValueError as err:
+        raise UserError(f"adapter: {err}; check adapter.target_modules") from None
+
+
+def enable_activation_checkpointing(model: nn.Module, plan: Plan) -> None:
+    """Checkpoint every decoder layer with the implementation the Plan chose.
+
+    Reentrant checkpointing over a frozen base needs inputs that require grad, or no gradient
+    flows ("element 0 of tensors does not require grad"): transformers adds that hook for us.
+    """
+    if plan.activation_checkpointing == "off":
+        return
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    kwargs = {"use_reentrant": plan.activation_checkpointing == "reentrant"}
+    enable = getattr(base, "activation_checkpointing_enable", None) or base.gradient_checkpointing_enable
+    enable(kwargs)
+    base.enable_input_require_grads()
+    base.config.use_cache = False
+
+
+def build_model(recipe: Recipe, plan: Plan) -> nn.Module:
+    """The model a run trains: base + adapter + checkpointing + our kernels (report into the Plan)."""
+    from liger_kernels import patch_model
+
+    model = load_base_model(recipe, plan)
+    model = add_adapter(model, recipe)
+    enable_activation_checkpointing(model, plan)
+    try:
+        report = patch_model(model, **recipe.kernels.model_dump())
+    except ValueError as err:
+        raise UserError(f"kernels: {err}") from None
+    plan.kernel_report = report.lines()
+    return model
+
+
+def build_meta_model_for(recipe: Recipe) -> nn.Module:
+    """The recipe's model and adapter on the meta device: structure only, no weights read."""
+    from transformers import AutoModelForCausalLM
+
+    m = recipe.model
+    kwargs = {"trust_remote_code": m.trust_remote_code}
+    if m.attn_implementation:
+        kwargs["attn_implementation"] = m.attn_implementation
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(_config(recipe), **kwargs)
+    model.config.use_cache = False
+    return add_adapter(model, recipe)
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    """(trainable, total), counting a tied weight once."""
+    seen: dict[int, nn.Parameter] = {id(p): p for p in model.parameters()}
+    total = sum(p.numel() for p in seen.values())
+    trainable = sum(p.numel() for p in seen.values() if p.requires_grad)
+    return trainable, total
+
+
+def merge_adapter(run_dir: Path, out_dir: Path, overwrite: bool = False) -> None:
+    """Merge a finished run's adapter into its base model and save the full model."""
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoTokenizer
+
+    adapter_dir = Path(run_dir) / "final"
+    if not (adapter_dir / "adapter_config.json").is_file():
+        raise UserError(
+            f"no adapter in {adapter_dir}: give the output.dir of a finished LoRA/DoRA run "
+            "(full fine-tuning runs already hold the full model in final/)"
+        )
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise UserError(f"{out_dir} is not empty: choose another folder or pass --overwrite")
+    base = json.loads((adapter_dir / "adapter_config.json").read_text())["base_model_name_or_path"]
+    if not Path(base).is_dir():
+        raise UserError(f"the adapter's base model folder is gone: {base}")
+    model = AutoPeftModelForCausalLM.from_pretrained(adapter_dir, dtype="auto").merge_and_unload()
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(tmp)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    tmp.rename(out_dir)

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Create .venv and install liger with its test extras. Safe to re-run.
+#
+# torch is installed FIRST: a bare `torch` requirement makes pip pull a multi-GB CUDA build.
+# Without a GPU we install the CPU build of torch 2.13.0 (on this project's machines a wheel of it
+# lies on local disk and pip finds it); with a GPU, the default (CUDA) build.
+# Override with LIGER_TORCH="torch==X.Y.Z" (any pip requirement) or PYTHON=python3.X.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
+
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  if [ -n "${LIGER_TORCH:-}" ]; then
+    spec=$LIGER_TORCH
+  elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    spec="torch>=2.4"
+  else
+    spec="torch==2.13.0"
+  fi
+  echo "setup: installing $spec"
+  "${PIP[@]}" install "$spec"
+fi
+
+echo "setup: installing liger (editable) with test and bench extras"
+"${PIP[@]}" install -e ".[test,bench]"
+echo "setup: done. Activate with: source .venv/bin/activate"

@@ -1,0 +1,51 @@
+"""Shared fixtures: tiny models saved to disk and loaded back through the real from_pretrained path."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Triton's CPU interpreter must be chosen before triton is first imported anywhere in this process.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+# Tests must never reach a model hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parents[1]
+QUICKSTART_MODEL = REPO / "recipes" / "quickstart" / "model"
+
+
+def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0, **overrides) -> Path:
+    """A tiny causal LM of `model_type` with the quickstart tokenizer, saved with save_pretrained."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(QUICKSTART_MODEL)
+    settings = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    settings.update(overrides)
+    config = AutoConfig.for_model(model_type, **settings)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A 2-layer Llama (hidden 32) with the quickstart tokenizer, on disk."""
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
