@@ -121,6 +121,9 @@ def build_model(recipe: Recipe, plan: Plan) -> nn.Module:
     model = load_base_model(recipe, plan)
     model = add_adapter(model, recipe)
     enable_activation_checkpointing(model, plan)
+    if not any(recipe.kernels.model_dump().values()):
+        plan.kernel_report = ["none (all kernels off in the recipe)"]
+        return model
     try:
         report = patch_model(model, **recipe.kernels.model_dump())
     except ValueError as err:

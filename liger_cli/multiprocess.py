@@ -1,0 +1,101 @@
+"""Start a multi-process run with `accelerate launch`, explicitly, ignoring ambient configuration.
+
+accelerate reads `~/.cache/huggingface/accelerate/default_config.yaml` for every setting not given
+on its command line; an old file there can silently change a run. We therefore always pass a
+config file: the recipe's `distributed.accelerate_config` if it names one, otherwise one written
+from the Plan. Each process runs `python -m liger_cli train RECIPE` and builds its backend
+(DDP, FSDP, DeepSpeed) in-process from the same Plan.
+
+On a CPU, `accelerate launch --cpu` starts ONE process and `--use_fsdp` silently gives DDP
+(../shared/context/fsdp-facts.md): we launch with the multi-GPU launcher (torchrun underneath)
+and ACCELERATE_USE_CPU=1, which gives real gloo process groups.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from liger_cli.plan import Plan
+from liger_cli.recipe import Recipe
+
+MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
+
+
+def accelerate_config(recipe: Recipe, plan: Plan) -> dict:
+    d = recipe.distributed
+    return {
+        "compute_environment": "LOCAL_MACHINE",
+        "distributed_type": "MULTI_GPU",
+        "num_processes": plan.num_processes,
+        "num_machines": d.num_machines,
+        "machine_rank": d.machine_rank,
+        "main_process_ip": d.main_process_ip,
+        "main_process_port": d.main_process_port,
+        "mixed_precision": MIXED_PRECISION[plan.precision],
+        "use_cpu": False,
+        "rdzv_backend": "static",
+        "same_network": True,
+        "gpu_ids": "all",
+        "dynamo_config": {},
+    }
+
+
+def launch_argv(
+    recipe: Recipe, plan: Plan, recipe_path: Path, overrides: list[str], config_file: Path
+) -> list[str]:
+    """The exact command run: an argv list, never a shell string."""
+    d = recipe.distributed
+    argv = [
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--config_file", str(config_file),
+        "--multi_gpu",
+        "--num_processes", str(plan.num_processes),
+        "--num_machines", str(d.num_machines),
+        "--machine_rank", str(d.machine_rank),
+        "--main_process_port", str(d.main_process_port),
+        "--mixed_precision", MIXED_PRECISION[plan.precision],
+        "--dynamo_backend", "no",
+    ]  # fmt: skip
+    if d.main_process_ip:
+        argv += ["--main_process_ip", d.main_process_ip]
+    argv += ["-m", "liger_cli", "train", str(Path(recipe_path).resolve())]
+    for item in overrides:
+        argv += ["--set", item]
+    return argv
+
+
+def launch_env(plan: Plan) -> dict[str, str]:
+    env = dict(os.environ)
+    if plan.device == "cpu":
+        env["ACCELERATE_USE_CPU"] = "1"
+    # Wrap classes are resolved in each process from the recipe; a stale value must not leak in.
+    env.pop("ACCELERATE_USE_FSDP", None)
+    return env
+
+
+def run_accelerate_launch(recipe: Recipe, plan: Plan, recipe_path: Path, overrides: list[str]) -> int:
+    with tempfile.TemporaryDirectory(prefix="liger-launch-") as tmp:
+        config_file = Path(tmp) / "accelerate.yaml"
+        if recipe.distributed.accelerate_config is not None:
+            config_file = recipe.distributed.accelerate_config
+        else:
+            config_file.write_text(yaml.safe_dump(accelerate_config(recipe, plan)))
+        argv = launch_argv(recipe, plan, recipe_path, overrides, config_file)
+        print(
+            f"launching {plan.num_processes} processes: accelerate launch ... -m liger_cli train {recipe_path}",
+            file=sys.stderr,
+        )
+        code = subprocess.run(argv, env=launch_env(plan)).returncode
+    if code != 0:
+        print(
+            f"error: the {plan.num_processes}-process run failed (exit {code}); the failing rank's message is above",
+            file=sys.stderr,
+        )
+        return 1
+    return 0

@@ -1,0 +1,204 @@
+"""`liger train` end to end on one process: outputs, resume, crash safety, NaN stop, merge."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parents[1]
+QUICK_DATA = REPO / "recipes" / "quickstart" / "data"
+
+
+def recipe_text(model_dir: Path, out: Path, **extra: str) -> str:
+    sections = {
+        "model": f"{{path: {model_dir}}}",
+        "adapter": "{type: lora, r: 4, alpha: 8}",
+        "data": f"{{train: {QUICK_DATA / 'train.jsonl'}, eval: {QUICK_DATA / 'eval.jsonl'}, "
+        "format: instruction, max_seq_len: 48}",
+        "training": "{max_steps: 6, micro_batch_size: 4, grad_accum: 2, lr: 5.0e-3, warmup_steps: 1, "
+        "eval_every: 3, seed: 3}",
+        "output": f"{{dir: {out}, save_every: 2}}",
+        "logging": "{every: 1, tensorboard: true}",
+        "kernels": "{rms_norm: false, rope: false, swiglu: false, fused_linear_cross_entropy: false}",  # TEMP
+    }
+    sections.update(extra)
+    return "".join(f"{k}: {v}\n" for k, v in sections.items())
+
+
+def liger(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "liger_cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+# A driver that trains in-process and simulates a crash at a chosen point, in a fresh process.
+CRASH_DRIVER = """
+import os, signal, sys
+from liger_cli import checkpoint, train
+from liger_cli.plan import build_plan
+from liger_cli.recipe import load_recipe
+
+recipe = load_recipe(sys.argv[1])
+mode, at = sys.argv[2], int(sys.argv[3])
+real_save = checkpoint.save_checkpoint
+
+def save(accelerator, out, step, state):
+    if mode == "kill-during-save" and step == at:
+        accelerator.save_state(str(checkpoint.checkpoints_dir(out) / f".tmp-step-{step}"))
+        os.kill(os.getpid(), signal.SIGKILL)  # dies after the files, before the rename
+    path = real_save(accelerator, out, step, state)
+    if mode == "stop-after-save" and step == at:
+        os._exit(17)  # an abrupt end right after a complete checkpoint
+    return path
+
+train.checkpoint.save_checkpoint = save
+train.run(recipe, build_plan(recipe))
+"""
+
+
+def crash(recipe: Path, mode: str, at: int) -> int:
+    proc = subprocess.run([sys.executable, "-c", CRASH_DRIVER, str(recipe), mode, str(at)],
+                          capture_output=True, text=True, timeout=300)
+    return proc.returncode
+
+
+def adapter_weights(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(run / "final" / "adapter_model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_model_dir: Path, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("uninterrupted")
+    recipe = root / "r.yaml"
+    recipe.write_text(recipe_text(tiny_model_dir, root / "out"))
+    proc = liger("train", str(recipe))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root / "out"
+
+
+def test_outputs_of_a_run(uninterrupted: Path) -> None:
+    out = uninterrupted
+    assert (out / "recipe.yaml").is_file() and (out / "plan.txt").read_text().startswith("# plan")
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2", "step-4"]
+    for name in ("adapter_config.json", "adapter_model.safetensors", "tokenizer.json"):
+        assert (out / "final" / name).is_file(), name
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train_steps = [r["step"] for r in records if "loss" in r]
+    assert train_steps == [1, 2, 3, 4, 5, 6]
+    for r in records:
+        if "loss" in r:
+            assert set(r) >= {"loss", "lr", "grad_norm", "tokens_per_s", "peak_mem_mb"}
+            assert r["loss"] > 0 and r["tokens_per_s"] > 0
+    assert [r["step"] for r in records if "eval_loss" in r] == [3, 6]
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    # checkpoints of an adapter run hold only the adapter's weights, not the frozen base
+    saved = load_file(out / "checkpoints" / "step-2" / "model.safetensors")
+    assert saved and all("lora_" in key for key in saved)
+
+
+def test_adapter_loads_in_peft_and_reproduces_eval_loss(uninterrupted: Path, tiny_model_dir: Path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from liger_cli.data import build_datasets, collate
+    from liger_cli.recipe import load_recipe
+
+    recipe = load_recipe(uninterrupted / "recipe.yaml")
+    tokenizer = AutoTokenizer.from_pretrained(uninterrupted / "final")
+    _, eval_ds = build_datasets(recipe.data, tokenizer, recipe.training.seed)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model = PeftModel.from_pretrained(base, uninterrupted / "final").eval()
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(eval_ds), 4):
+            batch = collate([eval_ds[i] for i in range(start, min(start + 4, len(eval_ds)))], tokenizer.pad_token_id)
+            total += model(**batch, num_items_in_batch=torch.tensor(1)).loss.item()
+            tokens += int((batch["labels"][:, 1:] != -100).sum())
+    expected = json.loads((uninterrupted / "final_metrics.json").read_text())["eval_loss"]
+    assert total / tokens == pytest.approx(expected, rel=1e-5)
+
+
+def test_resume_after_a_crash_is_bit_identical(uninterrupted: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(recipe_text(tiny_model_dir, tmp_path / "out"))
+    assert crash(recipe, "stop-after-save", 4) == 17
+    assert not (tmp_path / "out" / "final").exists()
+    proc = liger("train", str(recipe), "--set", "output.resume=auto")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout and "step-4" in proc.stdout
+    a, b = adapter_weights(uninterrupted), adapter_weights(tmp_path / "out")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_kill_during_save_keeps_the_previous_checkpoint(uninterrupted: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
+    recipe = tmp_path / "r.yaml"
+    out = tmp_path / "out"
+    recipe.write_text(recipe_text(tiny_model_dir, out))
+    assert crash(recipe, "kill-during-save", 4) == -9
+    assert (out / "checkpoints" / ".tmp-step-4").is_dir()  # the half-written save is there...
+    assert not (out / "checkpoints" / "step-4").exists()  # ...but never looks complete
+    proc = liger("train", str(recipe), "--set", "output.resume=auto")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step-2" in proc.stdout
+    assert not (out / "checkpoints" / ".tmp-step-4").exists()
+    a, b = adapter_weights(uninterrupted), adapter_weights(out)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_output_dir_protection(uninterrupted: Path, tmp_path: Path) -> None:
+    before = sorted(p.name for p in uninterrupted.rglob("*"))
+    proc = liger("train", str(uninterrupted / "recipe.yaml"))
+    assert proc.returncode == 2
+    assert "is not empty" in proc.stderr and "output.overwrite=true" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert sorted(p.name for p in uninterrupted.rglob("*")) == before
+    # overwrite never deletes a folder that is not a liger run
+    foreign = tmp_path / "precious"
+    foreign.mkdir()
+    (foreign / "thesis.tex").write_text("do not delete")
+    text = (uninterrupted / "recipe.yaml").read_text()
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(text)
+    proc = liger("train", str(recipe), "--set", f"output.dir={foreign}", "--set", "output.overwrite=true")
+    assert proc.returncode == 2 and "not a liger run folder" in proc.stderr
+    assert (foreign / "thesis.tex").read_text() == "do not delete"
+
+
+def test_nan_loss_stops_with_the_step_and_keeps_the_last_checkpoint(tiny_model_dir: Path, tmp_path: Path) -> None:
+    recipe = tmp_path / "r.yaml"
+    out = tmp_path / "out"
+    recipe.write_text(recipe_text(tiny_model_dir, out, output=f"{{dir: {out}, save_every: 1}}"))
+    # an absurd learning rate with no clipping: the weights overflow and the loss follows
+    proc = liger("train", str(recipe), "--set", "training.lr=1e30", "--set", "training.max_grad_norm=null",
+                 "--set", "training.warmup_steps=0", "--set", "adapter.type=none")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    line = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")][0]
+    assert "loss is" in line and "at step" in line and "last good checkpoint" in line
+    step = int(line.split("at step ")[1].split(":")[0])
+    assert step >= 2
+    assert (out / "checkpoints" / f"step-{step - 1}" / "trainer_state.json").is_file()
+    assert not (out / "final").exists()
+
+
+def test_merge_gives_the_adapter_models_logits(uninterrupted: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    merged_dir = tmp_path / "merged"
+    proc = liger("merge", str(uninterrupted), str(merged_dir))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir).eval()
+    adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                                        uninterrupted / "final").eval()
+    ids = torch.randint(0, merged.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, adapter(ids).logits, atol=1e-5, rtol=1e-5)
+    again = liger("merge", str(uninterrupted), str(merged_dir))
+    assert again.returncode == 2 and "--overwrite" in again.stderr
