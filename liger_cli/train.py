@@ -201,7 +201,7 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
     pad_id = tokenizer.pad_token_id
     device = accelerator.device
     last: dict[str, float] = {}
-    window_tokens, window_start = 0, time.perf_counter()
+    window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
     model.train()
     while step < total_steps:
         micro = [collate([train_ds[i] for i in batches.indices(step * t.grad_accum + a)], pad_id)
@@ -227,18 +227,20 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
+        window_steps += 1
 
         if step % recipe.logging.every == 0 or step == total_steps:
-            elapsed = time.perf_counter() - window_start
+            elapsed = time.perf_counter() - window_start  # .item() below syncs once per log line, not per step
             last = {
                 "loss": step_loss.item(),
                 "lr": scheduler.get_last_lr()[0],
                 "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                 "tokens_per_s": window_tokens * accelerator.num_processes / max(elapsed, 1e-9),
+                "step_time_s": elapsed / window_steps,
                 "peak_mem_mb": _peak_memory_mb(device),
             }
             metrics_log.write(step, last, say)
-            window_tokens, window_start = 0, time.perf_counter()
+            window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
         if eval_ds is not None and t.eval_every and step % t.eval_every == 0 and step < total_steps:
             last["eval_loss"] = evaluate(model, eval_ds, accelerator, t.micro_batch_size, pad_id)
             metrics_log.write(step, {"eval_loss": last["eval_loss"]}, say)
