@@ -230,7 +230,7 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
         window_steps += 1
 
         if step % recipe.logging.every == 0 or step == total_steps:
-            elapsed = time.perf_counter() - window_start  # .item() below syncs once per log line, not per step
+            elapsed = time.perf_counter() - window_start
             last = {
                 "loss": step_loss.item(),
                 "lr": scheduler.get_last_lr()[0],
