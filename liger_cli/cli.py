@@ -121,6 +121,24 @@ def merge(
     typer.echo(f"merged model written to {out_dir}")
 
 
+@app.command()
+@_user_errors
+def bench(
+    recipe: Annotated[Path, typer.Argument(help="The YAML recipe to measure.")],
+    steps: Annotated[int, typer.Option(help="Optimizer steps measured per run.")] = 10,
+    warmup: Annotated[int, typer.Option(help="Steps run before measuring (not counted).")] = 2,
+    out: Annotated[
+        Path | None,
+        typer.Option(help="Where bench.json, bench.png and both runs go [default: OUTPUT.DIR-bench]."),
+    ] = None,
+    set_: SetOption = None,
+) -> None:
+    """Train the recipe twice in fresh processes, kernels as it says and all off; compare speed, memory, loss."""
+    from liger_cli.bench import bench as run_bench
+
+    raise typer.Exit(run_bench(recipe, set_ or [], steps=steps, warmup=warmup, out_dir=out))
+
+
 def main() -> None:
     app(prog_name="liger")
 

@@ -1,9 +1,12 @@
 """The Accelerator for a Plan, and the check that the run is what the Plan asked for.
 
 Measured on CPU machines (../shared/context/fsdp-facts.md): `accelerate launch --use_fsdp` without
-CUDA silently gives DDP, or two processes that never synchronise. We therefore build the
-backend's plugin ourselves from the Plan and verify world size and distributed type after set-up:
-a run that is not what the recipe asked for stops with an error instead of training wrongly.
+CUDA silently gives DDP, or two processes that never synchronise, and accelerate keeps FSDP and
+DeepSpeed plugins only on GPU-like devices. We therefore build the backend's plugin ourselves from
+the Plan, with every option explicit (accelerate fills unset options from FSDP_* environment
+variables), tell accelerate's state the backend on a CPU, and verify world size, backend and
+sharding after `prepare`: a run that is not what the recipe asked for stops with an error instead
+of training wrongly.
 """
 
 from __future__ import annotations
@@ -11,34 +14,223 @@ from __future__ import annotations
 import os
 
 import torch
+from torch import nn
 
 from liger_cli.plan import Plan
 from liger_cli.recipe import Recipe
 
 PRECISION_TO_ACCELERATE = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
+FSDP1_SHARDING = {
+    "full": "FULL_SHARD",
+    "shard_grad_op": "SHARD_GRAD_OP",
+    "hybrid": "HYBRID_SHARD",
+    "no_shard": "NO_SHARD",
+}
+_BACKEND_ENV = ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED")
 
 
 class DowngradeError(RuntimeError):
     """The run is not what the recipe asked for (world size, backend, sharding)."""
 
 
-def make_accelerator(recipe: Recipe, plan: Plan):
-    from accelerate import Accelerator
-    from accelerate.utils import DistributedDataParallelKwargs
+def fsdp_plugin(recipe: Recipe, plan: Plan):
+    """accelerate's FSDP plugin for the Plan; the wrap classes are the Plan's, never the environment's."""
+    from accelerate import FullyShardedDataParallelPlugin
 
-    kwargs: dict = {"mixed_precision": PRECISION_TO_ACCELERATE[plan.precision]}
-    if plan.device == "cpu":
-        kwargs["cpu"] = True
+    fsdp = recipe.distributed.fsdp
+    version = 1 if plan.backend == "fsdp1" else 2
+    kwargs: dict = {
+        "fsdp_version": version,
+        # [] means one unit (the whole model): say so rather than let accelerate read the environment.
+        "auto_wrap_policy": "transformer_based_wrap" if plan.wrap_classes else "no_wrap",
+        "transformer_cls_names_to_wrap": list(plan.wrap_classes or []),
+        "cpu_offload": fsdp.cpu_offload,
+        "state_dict_type": "SHARDED_STATE_DICT",
+        "activation_checkpointing": False,  # applied through transformers (model.py), as the Plan says
+        "cpu_ram_efficient_loading": False,
+        "ignored_modules": None,
+        "backward_prefetch": "NO_PREFETCH",
+    }
+    if version == 1:
+        kwargs |= {
+            "sharding_strategy": FSDP1_SHARDING[fsdp.sharding],
+            "use_orig_params": True,  # LoRA mixes frozen and trainable parameters in one unit
+            "sync_module_states": False,
+            "forward_prefetch": False,
+        }
+    else:
+        kwargs["reshard_after_forward"] = fsdp.sharding != "shard_grad_op"
+        if fsdp.sharding in ("hybrid", "no_shard"):
+            from liger_cli.errors import UserError
+
+            raise UserError(
+                f"distributed.fsdp.sharding {fsdp.sharding} is FSDP-1 only: use backend fsdp1, or full"
+            )
+    return FullyShardedDataParallelPlugin(**kwargs)
+
+
+def deepspeed_plugin(recipe: Recipe, plan: Plan):
+    """ZeRO through accelerate's DeepSpeed plugin, every batch and clipping setting from the recipe."""
+    from accelerate import DeepSpeedPlugin
+
+    t = recipe.training
+    zero: dict = {"stage": recipe.distributed.zero_stage}
+    if zero["stage"] == 3:
+        # 0: every parameter is partitioned, so lm_head.weight really is (0,) outside a forward and the
+        # fused loss's explicit gather is exercised, not hidden by a size threshold.
+        zero |= {"stage3_param_persistence_threshold": 0, "stage3_gather_16bit_weights_on_model_save": True}
+    config = {
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": t.grad_accum,
+        "train_batch_size": plan.global_batch,
+        "gradient_clipping": t.max_grad_norm or 0.0,
+        "zero_optimization": zero,
+        "bf16": {"enabled": plan.precision == "bf16"},
+        "fp16": {"enabled": plan.precision == "fp16"},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    return DeepSpeedPlugin(hf_ds_config=config)
+
+
+def make_accelerator(recipe: Recipe, plan: Plan):
+    """An Accelerator that runs the Plan's backend, on GPUs or (with gloo) on CPUs."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+    from accelerate.utils import DistributedDataParallelKwargs, DistributedType
+
+    # Each run gets the backend its Plan asks for, even after another run in this process: accelerate's
+    # state is a process-wide singleton, and a plugin sets ACCELERATE_USE_* for every later Accelerator.
+    AcceleratorState._reset_state(reset_partial_state=False)
+    GradientState._reset_state()
+    if "_liger_replaced_type" in PartialState._shared_state:  # undo the CPU override of an earlier run
+        PartialState._shared_state["distributed_type"] = PartialState._shared_state.pop("_liger_replaced_type")
+    for key in _BACKEND_ENV:
+        os.environ.pop(key, None)
+
+    kwargs: dict = {"mixed_precision": PRECISION_TO_ACCELERATE[plan.precision], "cpu": plan.device == "cpu"}
     if plan.backend == "ddp":
         # Frozen base weights have no gradient: DDP must not wait for them.
         kwargs["kwargs_handlers"] = [DistributedDataParallelKwargs(find_unused_parameters=False)]
+    elif plan.backend in ("fsdp1", "fsdp2"):
+        kwargs["fsdp_plugin"] = fsdp_plugin(recipe, plan)
+    elif plan.backend == "deepspeed":
+        os.environ.setdefault("DS_ACCELERATOR", plan.device)
+        kwargs["deepspeed_plugin"] = deepspeed_plugin(recipe, plan)
     accelerator = Accelerator(**kwargs)
+
+    state = AcceleratorState()
+    if plan.device == "cpu" and plan.backend in ("fsdp1", "fsdp2", "deepspeed") and plan.num_processes > 1:
+        # accelerate keeps these plugins only for GPU-like devices; on a CPU it would silently run DDP.
+        # Both singletons are set, as accelerate itself does on a GPU: a later AcceleratorState()
+        # copies PartialState's values over its own.
+        kind = DistributedType.DEEPSPEED if plan.backend == "deepspeed" else DistributedType.FSDP
+        PartialState._shared_state["_liger_replaced_type"] = state.distributed_type
+        for shared in (PartialState._shared_state, AcceleratorState._shared_state):
+            shared["distributed_type"], shared["device"] = kind, torch.device("cpu")
+        if plan.backend == "deepspeed":
+            _select_deepspeed_on_cpu(state, kwargs["deepspeed_plugin"], accelerator)
+        else:
+            state.fsdp_plugin = kwargs["fsdp_plugin"]
+            if plan.precision != "fp32":
+                state.fsdp_plugin.set_mixed_precision(plan.precision)
     check_world(accelerator, plan)
     return accelerator
 
 
+def _select_deepspeed_on_cpu(state, plugin, accelerator) -> None:
+    plugin.set_mixed_precision(state._mixed_precision)
+    plugin.select(_from_accelerator_state=True)
+    state.deepspeed_plugins = plugin
+    state._mixed_precision = "no"
+    accelerator.deepspeed_engine_wrapped = None
+    # transformers' from_pretrained builds the model under ZeRO-3's init context only when this is set.
+    plugin.set_deepspeed_weakref()
+
+
+def apply_wrap_plan(accelerator, model: nn.Module, recipe: Recipe, plan: Plan) -> None:
+    """Resolve the FSDP wrap classes on the built model, put them in the Plan and into the plugin.
+
+    The Plan is made before the model exists (ZeRO-3 must be set up before loading), so the classes
+    are resolved here, with the same function `inspect-wrap` uses. FSDP_TRANSFORMER_CLS_TO_WRAP is
+    cleaned too, since accelerate splits it naively ("" -> [""]) and child processes inherit it.
+    """
+    if plan.backend not in ("fsdp1", "fsdp2"):
+        return
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    from liger_cli.wrap import accelerate_env, resolve_wrap_classes
+
+    resolution = resolve_wrap_classes(model, recipe.distributed.fsdp.wrap_classes)
+    accelerate_env(resolution)
+    plan.wrap_classes, plan.wrap_source = resolution.classes, resolution.source
+    plan.notes += [f"[{w.code}] {w.message}" for w in resolution.warnings]
+    plugin = accelerator.state.fsdp_plugin
+    plugin.transformer_cls_names_to_wrap = list(resolution.classes)
+    plugin.auto_wrap_policy = transformer_auto_wrap_policy if resolution.classes else None
+
+
+def gather_lm_head_for_fused_loss(model: nn.Module, plan: Plan) -> str | None:
+    """Make the fused loss see the whole lm_head.weight under sharding backends (after `prepare`).
+
+    The fused loss runs inside the causal-LM forward but outside lm_head's own forward (field
+    failure 1). FSDP-1 keeps lm_head in the root unit, which that forward has gathered. FSDP-2 puts
+    lm_head in a unit whose gather is triggered by the final norm's forward, and accelerate does
+    not find that norm through a peft model: we unshard lm_head's unit explicitly before the
+    causal-LM forward (measured correct; `full_tensor()` is silently wrong). ZeRO-3 gathers a
+    module's parameters only around its own forward: lm_head.weight is registered as an external
+    parameter of the causal-LM module, so ZeRO gathers it for that forward and its backward.
+    """
+    causal_lm = next(
+        (m for m in model.modules() if getattr(m, "_liger_kernel", None) == "fused_linear_cross_entropy"),
+        None,
+    )
+    if causal_lm is None or plan.backend not in ("fsdp2", "deepspeed"):
+        return None
+    lm_head = causal_lm.lm_head
+    if plan.backend == "deepspeed":
+        if not hasattr(lm_head.weight, "ds_id"):
+            return None
+        import deepspeed
+
+        deepspeed.zero.register_external_parameter(causal_lm, lm_head.weight)
+        return "lm_head.weight registered with ZeRO-3 as a parameter of the causal-LM forward"
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(lm_head, FSDPModule):
+        return None
+    causal_lm.register_forward_pre_hook(lambda module, args: lm_head.unshard())
+    return "lm_head's FSDP-2 unit is unsharded before the causal-LM forward"
+
+
+def full_state_dict(accelerator, model: nn.Module) -> dict:
+    """The whole model's state dict on rank 0 (gathered from every rank: call it on all of them).
+
+    accelerate's FSDP-1 path offloads to the CPU while gathering, which crashes (SIGSEGV, measured
+    with torch 2.13) when the parameters already live on the CPU; there we gather without offload.
+    """
+    if accelerator.distributed_type.name == "FSDP" and not accelerator.is_fsdp2 and accelerator.device.type == "cpu":
+        from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        config = FullStateDictConfig(offload_to_cpu=False, rank0_only=True)
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):
+            return model.state_dict()
+    return accelerator.get_state_dict(model)
+
+
+EXPECTED_TYPE = {
+    "none": "NO",
+    "ddp": "MULTI_CPU|MULTI_GPU",
+    "fsdp1": "FSDP",
+    "fsdp2": "FSDP",
+    "deepspeed": "DEEPSPEED",
+}
+
+
 def check_world(accelerator, plan: Plan) -> None:
-    """The number of processes must be the one the Plan launched (no silent single-process run)."""
+    """The number of processes and the backend must be the ones the Plan launched."""
     if accelerator.num_processes != plan.num_processes:
         raise DowngradeError(
             f"the recipe asks for {plan.num_processes} processes but this run has {accelerator.num_processes}; "
@@ -46,6 +238,82 @@ def check_world(accelerator, plan: Plan) -> None:
         )
     if plan.num_processes > 1 and not torch.distributed.is_initialized():
         raise DowngradeError("no process group: the processes would train without synchronising")
+    got = accelerator.distributed_type.name
+    if plan.num_processes > 1 and got not in EXPECTED_TYPE[plan.backend].split("|"):
+        raise DowngradeError(
+            f"the recipe asks for {plan.backend} but accelerate set up {got}; refusing to train"
+        )
+
+
+def check_sharding(model: nn.Module, recipe: Recipe, plan: Plan, world: int) -> str:
+    """After `prepare`: the model is really wrapped and sharded as planned; returns what was found.
+
+    For FSDP a wrapped decoder layer (or, with no wrap classes, the root) must hold 1/world of its
+    parameters locally; for ZeRO-3 every parameter must be partitioned; for DDP the model must be
+    a DistributedDataParallel. Anything else raises DowngradeError.
+    """
+    if plan.num_processes == 1 or plan.backend == "none":
+        return "single process"
+    if plan.backend == "ddp":
+        if not isinstance(model, nn.parallel.DistributedDataParallel):
+            raise DowngradeError(f"the recipe asks for DDP but the model is a {type(model).__name__}")
+        return f"DDP: gradients all-reduced over {world} processes"
+    if plan.backend == "deepspeed":
+        return _check_zero(model, recipe, world)
+    sharding = recipe.distributed.fsdp.sharding
+    shards = {"no_shard": 1, "hybrid": world // recipe.distributed.num_machines}.get(sharding, world)
+    return _check_fsdp(model, plan, shards)
+
+
+def _fsdp_unit(model: nn.Module, plan: Plan) -> tuple[str, nn.Module]:
+    classes = set(plan.wrap_classes or [])
+    for name, module in model.named_modules():
+        if type(module).__name__ in classes and any(True for _ in module.parameters()):
+            return name, module
+    return "(root)", model
+
+
+def _check_fsdp(model: nn.Module, plan: Plan, shards: int) -> str:
+    name, unit = _fsdp_unit(model, plan)
+    if plan.backend == "fsdp2":
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
+
+        params = list(unit.parameters())
+        if not isinstance(unit, FSDPModule) or not all(isinstance(p, DTensor) for p in params):
+            raise DowngradeError(
+                f"the recipe asks for FSDP-2 but {name} is not a fully_shard unit of DTensors"
+            )
+        local = sum(p.to_local().numel() for p in params)
+        full = sum(p.numel() for p in params)
+    else:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        wrapped = [m for m in model.modules() if isinstance(m, FSDP) and (m.module is unit or m is unit)]
+        if not wrapped or wrapped[0]._flat_param is None:
+            raise DowngradeError(f"the recipe asks for FSDP-1 but {name} is not an FSDP unit")
+        flat = wrapped[0]._flat_param
+        local = flat.numel()  # the local shard, padded to a multiple of the world size
+        full = flat._unpadded_unsharded_size.numel()
+    if not (local <= -(-full // shards) + shards and (shards == 1 or local < full)):
+        raise DowngradeError(
+            f"{name} holds {local} of its {full} parameters on this rank, not 1/{shards}: "
+            f"the model is not sharded as the recipe asks ({plan.backend})"
+        )
+    return f"{plan.backend}: {name} holds {local} of {full} parameters on this rank (1/{shards})"
+
+
+def _check_zero(model: nn.Module, recipe: Recipe, world: int) -> str:
+    if recipe.distributed.zero_stage != 3:
+        return f"deepspeed ZeRO-{recipe.distributed.zero_stage}: parameters replicated, optimizer state partitioned"
+    params = list(model.parameters())
+    if not all(hasattr(p, "ds_numel") for p in params):
+        raise DowngradeError("the recipe asks for DeepSpeed ZeRO but the parameters are not ZeRO parameters")
+    full = sum(p.ds_numel for p in params)
+    local = sum(p.ds_tensor.numel() for p in params)
+    if not local <= -(-full // world) + world * len(params) or local >= full:
+        raise DowngradeError(f"ZeRO-3 holds {local} of {full} parameters on this rank, not 1/{world}")
+    return f"deepspeed ZeRO-3: {local} of {full} parameters on this rank (1/{world})"
 
 
 def world_env() -> tuple[int, int]:

@@ -26,7 +26,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def model_dtype(recipe: Recipe, plan: Plan) -> torch.dtype:
+def model_dtype(recipe: Recipe, plan: Plan | None) -> torch.dtype:
     """Weights stay fp32 under mixed precision; an explicit model.dtype wins."""
     if recipe.model.dtype != "auto":
         return DTYPES[recipe.model.dtype]
@@ -87,30 +87,30 @@ def _peft_config(recipe: Recipe):
     )
 
 
-def add_adapter(model: nn.Module, recipe: Recipe) -> nn.Module:
+def add_adapter(model: nn.Module, recipe: Recipe, low_cpu_mem_usage: bool = False) -> nn.Module:
+    """peft's own LoRA/DoRA; `low_cpu_mem_usage` builds the adapter on the meta device too."""
     if recipe.adapter.type == "none":
         return model
     from peft import get_peft_model
 
     try:
-        return get_peft_model(model, _peft_config(recipe))
+        return get_peft_model(model, _peft_config(recipe), low_cpu_mem_usage=low_cpu_mem_usage)
     except ValueError as err:
         raise UserError(f"adapter: {err}; check adapter.target_modules") from None
 
 
 def enable_activation_checkpointing(model: nn.Module, plan: Plan) -> None:
-    """Checkpoint every decoder layer with the implementation the Plan chose.
+    """Checkpoint every decoder layer with the implementation the Plan chose (field failure 3).
 
-    Reentrant checkpointing over a frozen base needs inputs that require grad, or no gradient
-    flows ("element 0 of tensors does not require grad"): transformers adds that hook for us.
+    Through transformers' `activation_checkpointing_enable` (`gradient_checkpointing_enable` is
+    deprecated); it also makes the embeddings' output require grad, without which reentrant
+    checkpointing over a frozen base (LoRA) passes no gradient ("element 0 of tensors does not
+    require grad"). The KV cache stays off: one that grows during recompute breaks the shapes.
     """
     if plan.activation_checkpointing == "off":
         return
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    kwargs = {"use_reentrant": plan.activation_checkpointing == "reentrant"}
-    enable = getattr(base, "activation_checkpointing_enable", None) or base.gradient_checkpointing_enable
-    enable(kwargs)
-    base.enable_input_require_grads()
+    base.activation_checkpointing_enable({"use_reentrant": plan.activation_checkpointing == "reentrant"})
     base.config.use_cache = False
 
 
@@ -137,13 +137,33 @@ def build_meta_model_for(recipe: Recipe) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     m = recipe.model
-    kwargs = {"trust_remote_code": m.trust_remote_code}
+    kwargs = {"trust_remote_code": m.trust_remote_code, "dtype": model_dtype(recipe, None)}
     if m.attn_implementation:
         kwargs["attn_implementation"] = m.attn_implementation
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(_config(recipe), **kwargs)
     model.config.use_cache = False
-    return add_adapter(model, recipe)
+    return add_adapter(model, recipe, low_cpu_mem_usage=True)
+
+
+def meta_twin(peft_model: nn.Module) -> nn.Module:
+    """The same peft model on the meta device: module paths free of wrapper names, no memory.
+
+    peft names the adapter's weights after module paths; under FSDP-1 those contain
+    `_fsdp_wrapped_module` in the middle (peft strips only a leading one), so `save_pretrained`
+    silently writes an empty adapter. The twin's paths match the clean state dict FSDP gives.
+    """
+    import copy
+
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = peft_model.get_base_model()
+    with torch.device("meta"):
+        twin_base = AutoModelForCausalLM.from_config(base.config)
+    twin_base.name_or_path = base.name_or_path
+    name = peft_model.active_adapter
+    return get_peft_model(twin_base, copy.deepcopy(peft_model.peft_config[name]), adapter_name=name)
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import yaml
 
+from liger_cli.launch import STATUS_ENV
 from liger_cli.plan import Plan
 from liger_cli.recipe import Recipe
 
@@ -70,18 +71,41 @@ def launch_argv(
     return argv
 
 
-def launch_env(plan: Plan) -> dict[str, str]:
+def launch_env(plan: Plan, status_dir: Path | None = None) -> dict[str, str]:
     env = dict(os.environ)
     if plan.device == "cpu":
         env["ACCELERATE_USE_CPU"] = "1"
-    # Wrap classes are resolved in each process from the recipe; a stale value must not leak in.
-    env.pop("ACCELERATE_USE_FSDP", None)
+    # Each process builds its backend from the recipe; stale accelerate settings must not leak in.
+    for key in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_CONFIG_FILE"):
+        env.pop(key, None)
+    if status_dir is not None:
+        env[STATUS_ENV] = str(status_dir)
     return env
 
 
+def describe_failure(status_dir: Path, num_processes: int) -> str:
+    """Which ranks failed and how, from the status each rank wrote (none: it was killed)."""
+    first, later = [], []
+    for rank in range(num_processes):
+        path = status_dir / f"rank-{rank}"
+        status = path.read_text().strip() if path.is_file() else "not started"
+        if status == "running":
+            first.append(
+                f"rank {rank} died without a report (killed by a signal, e.g. out of memory or SIGKILL)"
+            )
+        elif status.startswith(("error", "user error")):
+            first.append(f"rank {rank} failed: {status.split(': ', 1)[-1]}")
+        elif status != "ok":
+            later.append(f"rank {rank} {status}")
+    return "; ".join(first + later) or "no rank reported a failure (the launcher itself failed)"
+
+
 def run_accelerate_launch(recipe: Recipe, plan: Plan, recipe_path: Path, overrides: list[str]) -> int:
+    """Run the ranks; 0 when all finish, 2 when they stopped on a user error, 1 otherwise."""
     with tempfile.TemporaryDirectory(prefix="liger-launch-") as tmp:
         config_file = Path(tmp) / "accelerate.yaml"
+        status_dir = Path(tmp) / "status"
+        status_dir.mkdir()
         if recipe.distributed.accelerate_config is not None:
             config_file = recipe.distributed.accelerate_config
         else:
@@ -91,11 +115,19 @@ def run_accelerate_launch(recipe: Recipe, plan: Plan, recipe_path: Path, overrid
             f"launching {plan.num_processes} processes: accelerate launch ... -m liger_cli train {recipe_path}",
             file=sys.stderr,
         )
-        code = subprocess.run(argv, env=launch_env(plan)).returncode
-    if code != 0:
-        print(
-            f"error: the {plan.num_processes}-process run failed (exit {code}); the failing rank's message is above",
-            file=sys.stderr,
+        code = subprocess.run(argv, env=launch_env(plan, status_dir)).returncode
+        if code == 0:
+            return 0
+        local = plan.num_processes // recipe.distributed.num_machines
+        why = (
+            describe_failure(status_dir, local)
+            if recipe.distributed.num_machines == 1
+            else "see the ranks' output above"
         )
-        return 1
-    return 0
+        failed = [
+            p.read_text()
+            for p in status_dir.glob("rank-*")
+            if not p.read_text().startswith(("ok", "stopped"))
+        ]
+    print(f"error: the {plan.num_processes}-process run failed (exit {code}): {why}", file=sys.stderr)
+    return 2 if failed and all(s.startswith("user error") for s in failed) else 1

@@ -27,9 +27,15 @@ import torch
 
 from liger_cli import checkpoint
 from liger_cli.data import build_datasets, collate
-from liger_cli.distributed import make_accelerator
+from liger_cli.distributed import (
+    apply_wrap_plan,
+    check_sharding,
+    full_state_dict,
+    gather_lm_head_for_fused_loss,
+    make_accelerator,
+)
 from liger_cli.errors import UserError
-from liger_cli.model import build_model, count_parameters, load_tokenizer
+from liger_cli.model import build_model, count_parameters, load_tokenizer, meta_twin
 from liger_cli.plan import Plan
 from liger_cli.recipe import Recipe
 
@@ -168,6 +174,7 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
 
     # --- 3. model
     model = build_model(recipe, plan)
+    apply_wrap_plan(accelerator, model, recipe, plan)  # FSDP units from the built model, into the Plan
     trainable, total = count_parameters(model)
     if main:
         out.mkdir(parents=True, exist_ok=True)
@@ -186,7 +193,11 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
     # Stepped by us once per optimizer step: accelerate's prepared scheduler would step once per process.
     scheduler = get_scheduler(t.scheduler, optimizer, num_warmup_steps=t.warmup_steps,
                               num_training_steps=total_steps)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    model, optimizer = accelerator.prepare(model, optimizer)  # together: FSDP-2 swaps the optimizer's params
+    say(f"sharding: {check_sharding(model, recipe, plan, accelerator.num_processes)}")  # no silent downgrade
+    gathered = gather_lm_head_for_fused_loss(model, plan)
+    if gathered:
+        say(f"fused loss: {gathered}")
     accelerator.register_for_checkpointing(scheduler)
     _save_only_trainable_weights(accelerator, model, recipe)
 
@@ -216,7 +227,8 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
                 accelerator.backward(loss * accelerator.num_processes)
             step_loss += loss.detach()
             window_tokens += int(batch["labels"].numel())
-        grad_norm = accelerator.clip_grad_norm_(params, t.max_grad_norm) if t.max_grad_norm else None
+        # All parameters of the prepared model: accelerate then uses FSDP's own (global) norm.
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm) if t.max_grad_norm else None
         step_loss = accelerator.reduce(step_loss, "sum")
         if not torch.isfinite(step_loss):
             raise TrainingDiverged(
@@ -257,8 +269,7 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
     if main:
         (out / "final_metrics.json").write_text(json.dumps(last, indent=2))
     say(f"done: final model in {out / 'final'}, metrics in {out / 'metrics.jsonl'}")
-    accelerator.end_training()
-    return last
+    return last  # the process group is destroyed by the launcher (launch.py), after every run in it
 
 
 def _save_only_trainable_weights(accelerator, model, recipe: Recipe) -> None:
@@ -276,12 +287,15 @@ def _save_only_trainable_weights(accelerator, model, recipe: Recipe) -> None:
 
 def save_final(accelerator, model, tokenizer, out: Path) -> None:
     """The adapter in peft's format (or the full model), plus the tokenizer, written by rank 0 only."""
-    state_dict = accelerator.get_state_dict(model)  # gathers shards on every rank; rank 0 keeps it
+    state_dict = full_state_dict(accelerator, model)  # gathers shards on every rank; rank 0 keeps it
     final = out / "final"
     if accelerator.is_main_process:
         tmp = out / ".tmp-final"
         shutil.rmtree(tmp, ignore_errors=True)
-        accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        inner = accelerator.unwrap_model(model)
+        if hasattr(inner, "peft_config") and accelerator.distributed_type.name == "FSDP":
+            inner = meta_twin(inner)  # peft cannot name the adapter's weights through FSDP's wrappers
+        inner.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
