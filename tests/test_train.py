@@ -25,7 +25,6 @@ def recipe_text(model_dir: Path, out: Path, **extra: str) -> str:
         "eval_every: 3, seed: 3}",
         "output": f"{{dir: {out}, save_every: 2}}",
         "logging": "{every: 1, tensorboard: true}",
-        "kernels": "{rms_norm: false, rope: false, swiglu: false, fused_linear_cross_entropy: false}",  # TEMP
     }
     sections.update(extra)
     return "".join(f"{k}: {v}\n" for k, v in sections.items())
