@@ -129,7 +129,7 @@ def bench(
     warmup: Annotated[int, typer.Option(help="Steps run before measuring (not counted).")] = 2,
     out: Annotated[
         Path | None,
-        typer.Option(help="Where bench.json, bench.png and both runs go [default: OUTPUT.DIR-bench]."),
+        typer.Option(help="Where bench.json, bench.png and both runs go (default: OUTPUT.DIR-bench)."),
     ] = None,
     set_: SetOption = None,
 ) -> None:

@@ -105,7 +105,9 @@ def make_accelerator(recipe: Recipe, plan: Plan):
     AcceleratorState._reset_state(reset_partial_state=False)
     GradientState._reset_state()
     if "_liger_replaced_type" in PartialState._shared_state:  # undo the CPU override of an earlier run
-        PartialState._shared_state["distributed_type"] = PartialState._shared_state.pop("_liger_replaced_type")
+        PartialState._shared_state["distributed_type"] = PartialState._shared_state.pop(
+            "_liger_replaced_type"
+        )
     for key in _BACKEND_ENV:
         os.environ.pop(key, None)
 
@@ -140,6 +142,10 @@ def make_accelerator(recipe: Recipe, plan: Plan):
 
 
 def _select_deepspeed_on_cpu(state, plugin, accelerator) -> None:
+    import deepspeed
+
+    # deepspeed's own communication layer wraps the existing gloo group (accelerate does this only on GPUs).
+    deepspeed.init_distributed(dist_backend="gloo")
     plugin.set_mixed_precision(state._mixed_precision)
     plugin.select(_from_accelerator_state=True)
     state.deepspeed_plugins = plugin
@@ -210,14 +216,49 @@ def full_state_dict(accelerator, model: nn.Module) -> dict:
     accelerate's FSDP-1 path offloads to the CPU while gathering, which crashes (SIGSEGV, measured
     with torch 2.13) when the parameters already live on the CPU; there we gather without offload.
     """
-    if accelerator.distributed_type.name == "FSDP" and not accelerator.is_fsdp2 and accelerator.device.type == "cpu":
+    if (
+        accelerator.distributed_type.name == "FSDP"
+        and not accelerator.is_fsdp2
+        and accelerator.device.type == "cpu"
+    ):
         from torch.distributed.fsdp import FullStateDictConfig, StateDictType
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
         config = FullStateDictConfig(offload_to_cpu=False, rank0_only=True)
         with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):
-            return model.state_dict()
-    return accelerator.get_state_dict(model)
+            state = model.state_dict()
+    else:
+        state = accelerator.get_state_dict(model)
+    # FSDP writes a tied weight under each of its names as separate tensors; keep the first name only,
+    # as a 1-process save does (the others are re-tied on load).
+    first: dict[int, str] = {}
+    for name, param in accelerator.unwrap_model(model).named_parameters(remove_duplicate=False):
+        name = name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
+        if first.setdefault(id(param), name) != name:
+            state.pop(name, None)
+    return state
+
+
+def init_optimizer_state(optimizer) -> None:
+    """Give a fresh optimizer its state (Adam's moments) by one step with zero gradients and lr 0.
+
+    FSDP-1 checkpoints are read with torch.distributed.checkpoint, which fills only the state that
+    already exists: an optimizer that never stepped has none, so a resume would silently restart
+    Adam's moments from zero (measured: the loss after the first resumed step differs). The step
+    leaves the weights unchanged; the loaded checkpoint then overwrites the state and step counts.
+    """
+    inner = getattr(optimizer, "optimizer", optimizer)
+    if inner.state:
+        return
+    lrs = [group["lr"] for group in inner.param_groups]
+    for group in inner.param_groups:
+        group["lr"] = 0.0
+        for param in group["params"]:
+            param.grad = torch.zeros_like(param)
+    inner.step()
+    inner.zero_grad(set_to_none=True)
+    for group, lr in zip(inner.param_groups, lrs, strict=True):
+        group["lr"] = lr
 
 
 EXPECTED_TYPE = {
@@ -268,7 +309,9 @@ def check_sharding(model: nn.Module, recipe: Recipe, plan: Plan, world: int) -> 
 def _fsdp_unit(model: nn.Module, plan: Plan) -> tuple[str, nn.Module]:
     classes = set(plan.wrap_classes or [])
     for name, module in model.named_modules():
-        if type(module).__name__ in classes and any(True for _ in module.parameters()):
+        # FSDP-2 swaps a unit's class for a subclass (FSDPLlamaDecoderLayer): look through it.
+        names = {cls.__name__ for cls in type(module).__mro__}
+        if names & classes and any(True for _ in module.parameters()):
             return name, module
     return "(root)", model
 

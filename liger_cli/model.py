@@ -40,7 +40,9 @@ def load_tokenizer(recipe: Recipe):
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=recipe.model.trust_remote_code)
     except (OSError, ValueError) as err:
-        raise UserError(f"cannot load a tokenizer from {source}: {err}; set model.tokenizer to a tokenizer folder") from None
+        raise UserError(
+            f"cannot load a tokenizer from {source}: {err}; set model.tokenizer to a tokenizer folder"
+        ) from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -69,7 +71,9 @@ def load_base_model(recipe: Recipe, plan: Plan) -> nn.Module:
     else:
         torch.manual_seed(recipe.training.seed)
         model = AutoModelForCausalLM.from_config(_config(recipe), **kwargs)
-    model.config.use_cache = False  # a cache during recompute grows and breaks checkpointing (field failure 3)
+    model.config.use_cache = (
+        False  # a cache during recompute grows and breaks checkpointing (field failure 3)
+    )
     return model
 
 
@@ -169,8 +173,9 @@ def meta_twin(peft_model: nn.Module) -> nn.Module:
 def count_parameters(model: nn.Module) -> tuple[int, int]:
     """(trainable, total), counting a tied weight once."""
     seen: dict[int, nn.Parameter] = {id(p): p for p in model.parameters()}
-    total = sum(p.numel() for p in seen.values())
-    trainable = sum(p.numel() for p in seen.values() if p.requires_grad)
+    size = {key: getattr(p, "ds_numel", p.numel()) for key, p in seen.items()}  # ZeRO-3: the full size
+    total = sum(size.values())
+    trainable = sum(size[key] for key, p in seen.items() if p.requires_grad)
     return trainable, total
 
 

@@ -32,6 +32,7 @@ from liger_cli.distributed import (
     check_sharding,
     full_state_dict,
     gather_lm_head_for_fused_loss,
+    init_optimizer_state,
     make_accelerator,
 )
 from liger_cli.errors import UserError
@@ -134,7 +135,9 @@ def evaluate(model, dataset, accelerator, micro_batch_size: int, pad_id: int) ->
     for i in range(per_rank):  # every rank runs the same number of forwards (FSDP needs that)
         j = i * accelerator.num_processes + accelerator.process_index
         start = starts[j] if j < len(starts) else starts[0]
-        batch = collate([dataset[k] for k in range(start, min(start + micro_batch_size, len(dataset)))], pad_id)
+        batch = collate(
+            [dataset[k] for k in range(start, min(start + micro_batch_size, len(dataset)))], pad_id
+        )
         one = torch.ones((), device=accelerator.device)
         loss = _micro_loss(model, batch, one, accelerator.device)  # a sum over tokens
         if j < len(starts):
@@ -163,8 +166,9 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
     tokenizer = load_tokenizer(recipe)
     train_ds, eval_ds = build_datasets(recipe.data, tokenizer, recipe.training.seed)
     t = recipe.training
-    batches = StepBatches(len(train_ds), t.micro_batch_size, accelerator.num_processes,
-                          accelerator.process_index, t.seed)
+    batches = StepBatches(
+        len(train_ds), t.micro_batch_size, accelerator.num_processes, accelerator.process_index, t.seed
+    )
     if batches.micro_per_epoch == 0:
         raise UserError(
             f"data.train has {len(train_ds)} usable examples, fewer than one global micro-batch "
@@ -184,15 +188,18 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
         checkpoint.remove_stale_temporaries(out)
     say(plan.render())
     say(f"parameters: {trainable:,} trainable of {total:,} ({100 * trainable / total:.2f}%)")
-    say(f"data: {len(train_ds)} train / {len(eval_ds) if eval_ds is not None else 0} eval examples; "
-        f"{total_steps} optimizer steps")
+    say(
+        f"data: {len(train_ds)} train / {len(eval_ds) if eval_ds is not None else 0} eval examples; "
+        f"{total_steps} optimizer steps"
+    )
 
     # --- 4. optimizer, schedule, accelerate
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
     # Stepped by us once per optimizer step: accelerate's prepared scheduler would step once per process.
-    scheduler = get_scheduler(t.scheduler, optimizer, num_warmup_steps=t.warmup_steps,
-                              num_training_steps=total_steps)
+    scheduler = get_scheduler(
+        t.scheduler, optimizer, num_warmup_steps=t.warmup_steps, num_training_steps=total_steps
+    )
     model, optimizer = accelerator.prepare(model, optimizer)  # together: FSDP-2 swaps the optimizer's params
     say(f"sharding: {check_sharding(model, recipe, plan, accelerator.num_processes)}")  # no silent downgrade
     gathered = gather_lm_head_for_fused_loss(model, plan)
@@ -203,6 +210,8 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
 
     step = 0
     if resume_from is not None:
+        if plan.backend == "fsdp1":
+            init_optimizer_state(optimizer)  # the checkpoint reader fills only state that exists
         accelerator.load_state(str(resume_from), strict=recipe.adapter.type == "none")
         step = checkpoint.read_state(resume_from)["step"]
         say(f"resumed from {resume_from} at step {step}")
@@ -215,8 +224,10 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
     window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
     model.train()
     while step < total_steps:
-        micro = [collate([train_ds[i] for i in batches.indices(step * t.grad_accum + a)], pad_id)
-                 for a in range(t.grad_accum)]
+        micro = [
+            collate([train_ds[i] for i in batches.indices(step * t.grad_accum + a)], pad_id)
+            for a in range(t.grad_accum)
+        ]
         num_items = accelerator.reduce(sum(_label_tokens(b) for b in micro).to(device), "sum").clamp(min=1)
         step_loss = torch.zeros((), device=device)
         for a, batch in enumerate(micro):
@@ -228,7 +239,9 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
             step_loss += loss.detach()
             window_tokens += int(batch["labels"].numel())
         # All parameters of the prepared model: accelerate then uses FSDP's own (global) norm.
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm) if t.max_grad_norm else None
+        grad_norm = (
+            accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm) if t.max_grad_norm else None
+        )
         step_loss = accelerator.reduce(step_loss, "sum")
         if not torch.isfinite(step_loss):
             raise TrainingDiverged(
@@ -257,7 +270,9 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
             last["eval_loss"] = evaluate(model, eval_ds, accelerator, t.micro_batch_size, pad_id)
             metrics_log.write(step, {"eval_loss": last["eval_loss"]}, say)
         if recipe.output.save_every and step % recipe.output.save_every == 0 and step < total_steps:
-            saved = checkpoint.save_checkpoint(accelerator, out, step, {"step": step, "total_steps": total_steps})
+            saved = checkpoint.save_checkpoint(
+                accelerator, out, step, {"step": step, "total_steps": total_steps}
+            )
             say(f"checkpoint saved: {saved}")
 
     # --- 6. final evaluation and outputs
