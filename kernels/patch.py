@@ -330,7 +330,8 @@ def _flce_refusal(causal_lm: nn.Module) -> str | None:
 
 
 def _lm_head_refusal(lm_head: nn.Module) -> str | None:
-    if type(lm_head) is nn.Linear:
+    # A plain Linear, or one whose class FSDP-2's fully_shard swapped for a subclass (FSDPLinear).
+    if isinstance(lm_head, nn.Linear) and not hasattr(lm_head, "base_layer"):
         return None
     if hasattr(lm_head, "base_layer"):
         return (

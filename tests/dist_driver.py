@@ -1,0 +1,80 @@
+"""Run several recipes in ONE set of processes (one process group), for the distributed tests.
+
+Started once per backend by torchrun (or plainly, for the 1-process references): a 2-process
+launch costs 10-20 s of imports, so the cases of a backend share it. Usage:
+    python -m torch.distributed.run --nproc_per_node 2 tests/dist_driver.py SPEC.json
+SPEC: {"cases": [{"recipe": PATH, "env": {NAME: VALUE}}], "field_failure_1": RECIPE_PATH or null}.
+Each case trains through `liger_cli.train.run`, exactly as `liger train` does in each rank, and
+writes `checks.json` beside its metrics: whether embedding and lm_head are still one parameter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from liger_cli import train
+from liger_cli.launch import end_process_group
+from liger_cli.plan import build_plan
+from liger_cli.recipe import load_recipe
+
+_real_save_final = train.save_final
+
+
+def _save_final_with_checks(accelerator, model, tokenizer, out: Path) -> None:
+    """The real save, after recording what the tests need from the trained, still-wrapped model."""
+    if accelerator.is_main_process:
+        inner = accelerator.unwrap_model(model)
+        tied = inner.get_input_embeddings().weight is inner.get_output_embeddings().weight
+        (out / "checks.json").write_text(json.dumps({"tied": tied}))
+    _real_save_final(accelerator, model, tokenizer, out)
+
+
+def field_failure_1(recipe_path: str) -> str:
+    """FSDP-1, lm_head in the root unit: read lm_head.weight AFTER the root forward, as the field's
+    fused loss did. Returns the error text (the test expects a shape error)."""
+    import torch
+
+    from liger_cli.distributed import apply_wrap_plan, make_accelerator
+    from liger_cli.model import build_model
+
+    recipe = load_recipe(recipe_path, ["kernels.fused_linear_cross_entropy=false"])
+    plan = build_plan(recipe)
+    accelerator = make_accelerator(recipe, plan)
+    model = build_model(recipe, plan)
+    apply_wrap_plan(accelerator, model, recipe, plan)
+    model = accelerator.prepare(model)
+    ids = torch.randint(0, 100, (2, 8))
+    hidden = model(input_ids=ids, output_hidden_states=True).hidden_states[-1]
+    weight = accelerator.unwrap_model(model).get_output_embeddings().weight
+    try:
+        torch.nn.functional.linear(hidden, weight).sum().backward()
+    except RuntimeError as err:
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    train.save_final = _save_final_with_checks
+    for case in spec["cases"]:
+        saved = {name: os.environ.get(name) for name in case.get("env", {})}
+        os.environ.update(case.get("env", {}))
+        recipe = load_recipe(case["recipe"])
+        train.run(recipe, build_plan(recipe))
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    if spec.get("field_failure_1"):
+        message = field_failure_1(spec["field_failure_1"])
+        if os.environ.get("RANK", "0") == "0":
+            Path(spec["field_failure_1"]).with_suffix(".ff1.txt").write_text(message)
+    end_process_group()
+
+
+if __name__ == "__main__":
+    main()

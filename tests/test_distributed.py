@@ -1,0 +1,301 @@
+"""Distributed training with 2 real processes on gloo, a tiny Llama saved to disk, kernels on.
+
+Every backend must train the same model a 1-process run trains: per-step losses equal the
+1-process run with the same global batch (fp32, within 1e-5), and the saved outputs load. The
+cases of a backend share one 2-process launch (tests/dist_driver.py), since each launch costs
+10-20 s of imports; every multi-process call has a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parents[1]
+DRIVER = REPO / "tests" / "dist_driver.py"
+QUICK_TRAIN = REPO / "recipes" / "quickstart" / "data" / "train.jsonl"
+STEPS = 4
+CASES = {  # name -> (adapter type, activation checkpointing)
+    "lora": ("lora", "off"),
+    "full": ("none", "off"),
+    "lora-ac": ("lora", "auto"),
+    "full-ac": ("none", "auto"),
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_"))}
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", **extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> dict[str, Path]:
+    from conftest import save_tiny_model
+
+    root = tmp_path_factory.mktemp("dist-assets")
+    data = root / "train.jsonl"
+    data.write_text("".join(QUICK_TRAIN.read_text().splitlines(keepends=True)[:64]))
+    return {
+        "root": root,
+        "data": data,
+        "model": save_tiny_model(root / "llama"),
+        "tied": save_tiny_model(root / "llama-tied", tie_word_embeddings=True),
+    }
+
+
+def write_recipe(
+    assets: dict, out: Path, backend: str = "none", adapter: str = "lora", ac: str = "off", **over
+) -> Path:
+    """One recipe; the 1-process reference takes the same global batch (2 x 2 x 2 = 1 x 2 x 4)."""
+    world = 1 if backend == "none" else 2
+    recipe = {
+        "model": {"path": str(assets[over.pop("model", "model")])},
+        "adapter": {"type": adapter, "r": 4, "alpha": 8},
+        "data": {"train": str(assets["data"]), "format": "instruction", "max_seq_len": 48},
+        "training": {
+            "max_steps": STEPS,
+            "micro_batch_size": 2,
+            "grad_accum": 4 // world,
+            "lr": 5e-3,
+            "warmup_steps": 1,
+            "seed": 3,
+        },  # fmt: skip
+        "output": {"dir": str(out)},
+        "logging": {"every": 1, "tensorboard": False},
+        "distributed": {"backend": backend, "num_processes": world, "activation_checkpointing": ac},
+    }
+    for key, value in over.items():
+        section, _, name = key.partition("__")
+        recipe[section][name] = value
+    path = out.parent / f"{out.name}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def losses(out: Path) -> list[float]:
+    return [
+        r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r
+    ]
+
+
+def run_driver(spec: dict, folder: Path, nproc: int, timeout: int = 240) -> subprocess.CompletedProcess:
+    spec_file = folder / "spec.json"
+    spec_file.write_text(json.dumps(spec))
+    argv = [sys.executable, str(DRIVER), str(spec_file)]
+    if nproc > 1:
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                "--master_port", str(free_port()), *argv[1:]]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=child_env(), cwd=folder)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def references(assets) -> dict[str, Path]:
+    """1-process runs of the same recipes: LoRA, full fine-tuning, and full on the tied model."""
+    root = assets["root"] / "ref"
+    root.mkdir()
+    outs = {name: root / name for name in ("lora", "full", "tied")}
+    cases = [
+        write_recipe(assets, outs["lora"]),
+        write_recipe(assets, outs["full"], adapter="none"),
+        write_recipe(assets, outs["tied"], adapter="none", model="tied"),
+    ]
+    run_driver({"cases": [{"recipe": str(c)} for c in cases]}, root, nproc=1)
+    return outs
+
+
+def assert_same_run(out: Path, ref: Path) -> None:
+    got, want = losses(out), losses(ref)
+    assert len(got) == STEPS and len(want) == STEPS
+    assert got == pytest.approx(want, abs=1e-5, rel=0), (got, want)
+    if (ref / "final" / "adapter_model.safetensors").is_file():
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        config = json.loads((out / "final" / "adapter_config.json").read_text())
+        base = AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"])
+        loaded = PeftModel.from_pretrained(base, out / "final")  # the saved adapter loads in peft
+        assert any("lora_A" in name for name, _ in loaded.named_parameters())
+        got_w, want_w = (load_file(p / "final" / "adapter_model.safetensors") for p in (out, ref))
+    else:
+        got_w, want_w = (load_file(p / "final" / "model.safetensors") for p in (out, ref))
+    assert got_w.keys() == want_w.keys() and got_w
+    for key in want_w:
+        torch.testing.assert_close(got_w[key], want_w[key], atol=2e-5, rtol=1e-4, msg=key)
+
+
+BACKENDS = ["ddp", "fsdp1", "fsdp2"]  # deepspeed: not yet proven equal, see the issue note
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_two_processes_train_the_one_process_model(backend: str, assets, references, tmp_path: Path) -> None:
+    """LoRA and full fine-tuning, with and without activation checkpointing, in one 2-process launch."""
+    cases, outs = [], {}
+    for name, (adapter, ac) in CASES.items():
+        outs[name] = tmp_path / name
+        env = {}
+        if backend == "fsdp1" and name == "lora-ac":
+            env = {"FSDP_TRANSFORMER_CLS_TO_WRAP": ""}  # accelerate alone would look for a class ""
+        if backend == "fsdp2" and name == "lora-ac":
+            env = {"FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer,"}
+        cases.append({"recipe": str(write_recipe(assets, outs[name], backend, adapter, ac)), "env": env})
+    spec: dict = {"cases": cases}
+    if backend.startswith("fsdp"):
+        outs["tied"] = tmp_path / "tied"
+        cases.append({"recipe": str(write_recipe(assets, outs["tied"], backend, "none", model="tied"))})
+    if backend == "fsdp1":
+        spec["field_failure_1"] = str(write_recipe(assets, tmp_path / "ff1", backend, "none"))
+    proc = run_driver(spec, tmp_path, nproc=2)
+
+    for name, out in outs.items():
+        ref = references["tied" if name == "tied" else "full" if name.startswith("full") else "lora"]
+        assert_same_run(out, ref)
+        plan = (out / "plan.txt").read_text()
+        assert f"({backend})" in plan and "2 on 1 machine(s)" in plan
+        assert "fused_linear_cross_entropy: patched" in plan  # kernels on, FLCE inside the forward
+        if CASES.get(name, ("", "off"))[1] == "auto":
+            assert "activation ckpt     reentrant" in plan or "activation ckpt     non_reentrant" in plan
+    sharding = [line for line in proc.stdout.splitlines() if line.startswith("sharding:")]
+    assert len(sharding) == len(outs)
+    if backend.startswith("fsdp"):
+        assert all("LlamaDecoderLayer" in (outs[n] / "plan.txt").read_text() for n in ("lora", "lora-ac"))
+        assert all("1/2" in line for line in sharding), sharding
+        assert json.loads((outs["tied"] / "checks.json").read_text())["tied"]  # still one parameter
+        tied = load_file(outs["tied"] / "final" / "model.safetensors")
+        assert "model.embed_tokens.weight" in tied
+    if backend == "fsdp1":
+        message = (tmp_path / "ff1.ff1.txt").read_text()
+        assert "size mismatch" in message or "shape" in message, message
+
+
+def liger_train(recipe: Path, *args: str, timeout: int = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "liger_cli", "train", str(recipe), *args], capture_output=True,
+                          text=True, timeout=timeout, env=child_env())  # fmt: skip
+
+
+@pytest.mark.timeout(400)
+def test_liger_train_launches_and_other_launchers_give_the_same_run(
+    assets, references, tmp_path: Path
+) -> None:
+    """`liger train` (2 processes through accelerate), then a resume from its checkpoint through
+    `torchrun -m liger_cli` and through `accelerate launch -m liger_cli`: same backend, same count."""
+    out = tmp_path / "cli"
+    recipe = write_recipe(assets, out, "fsdp1", output__save_every=2)
+    proc = liger_train(recipe, "--set", f"distributed.main_process_port={free_port()}")
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert "launching 2 processes" in proc.stderr
+    assert_same_run(out, references["lora"])
+    checkpoint = out / "checkpoints" / "step-2"
+    assert (checkpoint / "trainer_state.json").is_file()
+
+    resume = [f"output.resume={checkpoint}"]
+    launchers = {
+        "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"],
+        "accelerate": [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+        ],
+    }
+    for name, launcher in launchers.items():
+        resumed = tmp_path / name
+        port = ["--master_port" if name == "torchrun" else "--main_process_port", str(free_port())]
+        argv = [*launcher, *port, "-m", "liger_cli", "train", str(recipe),
+                "--set", f"output.dir={resumed}", "--set", resume[0]]  # fmt: skip
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=180, env=child_env())
+        assert proc.returncode == 0, name + proc.stderr[-5000:]
+        assert f"resumed from {checkpoint} at step 2" in proc.stdout
+        assert losses(resumed) == pytest.approx(losses(out)[2:], abs=1e-5, rel=0), name
+        got, want = (load_file(p / "final" / "adapter_model.safetensors") for p in (resumed, out))
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], atol=1e-6, rtol=1e-5, msg=key)
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_rank_ends_the_job_and_is_named(assets, tmp_path: Path) -> None:
+    import psutil
+
+    recipe = write_recipe(assets, tmp_path / "out", "ddp", training__max_steps=100000)
+    job = subprocess.Popen([sys.executable, "-m", "liger_cli", "train", str(recipe), "--set",
+                            f"distributed.main_process_port={free_port()}"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())  # fmt: skip
+    try:
+        metrics = tmp_path / "out" / "metrics.jsonl"
+        deadline = time.monotonic() + 90
+        while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
+            assert job.poll() is None and time.monotonic() < deadline, "training never started"
+            time.sleep(0.5)
+        ranks = [
+            p for p in psutil.Process(job.pid).children(recursive=True) if p.environ().get("RANK") == "1"
+        ]
+        assert len(ranks) == 1
+        ranks[0].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        _, stderr = job.communicate(timeout=60)
+        assert time.monotonic() - killed < 60
+    finally:
+        if job.poll() is None:
+            for child in psutil.Process(job.pid).children(recursive=True):
+                child.kill()
+            job.kill()
+    assert job.returncode == 1
+    assert "rank 1 died without a report" in stderr, stderr[-3000:]
+    assert "the 2-process run failed" in stderr
+
+
+def test_multi_machine_command(assets, tmp_path: Path) -> None:
+    """A 2-machine recipe passes machine count, rank, address and port to accelerate, as an argv list."""
+    from liger_cli.multiprocess import accelerate_config, launch_argv, launch_env
+    from liger_cli.plan import build_plan
+    from liger_cli.recipe import load_recipe
+
+    recipe_path = write_recipe(assets, tmp_path / "out", "fsdp1")
+    recipe = load_recipe(recipe_path, ["distributed.num_machines=2", "distributed.machine_rank=1",
+                                       "distributed.main_process_ip=10.0.0.7", "distributed.main_process_port=29511"])  # fmt: skip
+    plan = build_plan(recipe)
+    argv = launch_argv(recipe, plan, recipe_path, ["training.lr=1e-4"], tmp_path / "acc.yaml")
+    assert argv[:3] == [sys.executable, "-m", "accelerate.commands.launch"]
+    flags = dict(zip(argv[3:], argv[4:], strict=False))
+    assert flags["--config_file"] == str(tmp_path / "acc.yaml")
+    assert flags["--num_processes"] == "4" and flags["--num_machines"] == "2"  # 2 per machine, 4 in all
+    assert flags["--machine_rank"] == "1" and flags["--main_process_ip"] == "10.0.0.7"
+    assert flags["--main_process_port"] == "29511"
+    assert argv[-6:] == ["-m", "liger_cli", "train", str(recipe_path.resolve()), "--set", "training.lr=1e-4"]
+    config = accelerate_config(recipe, plan)
+    assert (config["num_machines"], config["machine_rank"], config["main_process_ip"]) == (2, 1, "10.0.0.7")
+    assert launch_env(plan)["ACCELERATE_USE_CPU"] == "1"
+
+
+@pytest.mark.timeout(120)
+def test_a_run_with_fewer_processes_than_the_recipe_stops(assets, tmp_path: Path) -> None:
+    """A launcher that starts ONE process for a 2-process recipe: refused before training, not run."""
+    recipe = write_recipe(assets, tmp_path / "out", "fsdp1")
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
+            str(free_port()), "-m", "liger_cli", "train", str(recipe)]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=100, env=child_env())
+    assert proc.returncode != 0
+    assert "asks for 2 processes but this run has 1" in proc.stderr
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
