@@ -43,6 +43,7 @@ def launch(recipe: Recipe, recipe_path: Path, overrides: list[str]) -> int:
     from liger_cli.distributed import DowngradeError
     from liger_cli.train import TrainingDiverged, run
 
+    _quiet_libraries()
     if not inside_launcher():
         try:
             run(recipe, plan)
@@ -68,6 +69,20 @@ def launch(recipe: Recipe, recipe_path: Path, overrides: list[str]) -> int:
     end_process_group()
     report("ok")
     return 0
+
+
+def _quiet_libraries() -> None:
+    """Our own progress and metrics lines are the run's log: silence libraries' bars and notices."""
+    import logging
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    # peft still calls transformers' deprecated `is_gradient_checkpointing`: not the user's concern.
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
 
 def end_process_group() -> None:

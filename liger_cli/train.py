@@ -15,7 +15,6 @@ batches, all ranks): each micro-batch's loss is a sum divided by the step's glob
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import shutil
@@ -34,6 +33,7 @@ from liger_cli.distributed import (
     gather_lm_head_for_fused_loss,
     init_optimizer_state,
     make_accelerator,
+    micro_batch,
 )
 from liger_cli.errors import UserError
 from liger_cli.model import build_model, count_parameters, load_tokenizer, meta_twin
@@ -212,7 +212,10 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
     if resume_from is not None:
         if plan.backend == "fsdp1":
             init_optimizer_state(optimizer)  # the checkpoint reader fills only state that exists
-        accelerator.load_state(str(resume_from), strict=recipe.adapter.type == "none")
+        if accelerator.distributed_type.name == "DEEPSPEED":
+            accelerator.load_state(str(resume_from))  # the engine's own sharded checkpoint; no `strict`
+        else:
+            accelerator.load_state(str(resume_from), strict=recipe.adapter.type == "none")
         step = checkpoint.read_state(resume_from)["step"]
         say(f"resumed from {resume_from} at step {step}")
 
@@ -221,6 +224,9 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
     pad_id = tokenizer.pad_token_id
     device = accelerator.device
     last: dict[str, float] = {}
+    if eval_ds is not None and step == 0:  # the baseline that later eval losses are compared with
+        last["eval_loss"] = evaluate(model, eval_ds, accelerator, t.micro_batch_size, pad_id)
+        metrics_log.write(0, {"eval_loss": last["eval_loss"]}, say)
     window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
     model.train()
     while step < total_steps:
@@ -231,24 +237,25 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
         num_items = accelerator.reduce(sum(_label_tokens(b) for b in micro).to(device), "sum").clamp(min=1)
         step_loss = torch.zeros((), device=device)
         for a, batch in enumerate(micro):
-            sync = a == len(micro) - 1
-            with contextlib.nullcontext() if sync else accelerator.no_sync(model):
+            last_micro = a == len(micro) - 1
+            with micro_batch(accelerator, model, last_micro) as backward:
                 loss = _micro_loss(model, batch, num_items, device)
-                # DDP/FSDP average gradients over ranks; our loss is already a global mean.
-                accelerator.backward(loss * accelerator.num_processes)
-            step_loss += loss.detach()
+                step_loss += loss.detach()
+                if last_micro:  # checked before the last backward: under DeepSpeed it also steps
+                    step_loss = accelerator.reduce(step_loss, "sum")
+                    if not torch.isfinite(step_loss):
+                        raise TrainingDiverged(
+                            f"loss is {step_loss.item()} at step {step + 1}: stopping; the last good "
+                            "checkpoint is kept (lower training.lr, check the data, or use fp32)"
+                        )
+                backward(loss)
             window_tokens += int(batch["labels"].numel())
-        # All parameters of the prepared model: accelerate then uses FSDP's own (global) norm.
+        # All parameters of the prepared model: accelerate then uses FSDP's own (global) norm. Under
+        # DeepSpeed the engine has already clipped (gradient_clipping) and this returns its norm.
         grad_norm = (
             accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm) if t.max_grad_norm else None
         )
-        step_loss = accelerator.reduce(step_loss, "sum")
-        if not torch.isfinite(step_loss):
-            raise TrainingDiverged(
-                f"loss is {step_loss.item()} at step {step + 1}: stopping; the last good checkpoint is kept "
-                "(lower training.lr, check the data, or use fp32)"
-            )
-        optimizer.step()
+        optimizer.step()  # under DeepSpeed a no-op (accelerate's wrapper): the engine stepped above
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1

@@ -92,7 +92,7 @@ def test_outputs_of_a_run(uninterrupted: Path) -> None:
         if "loss" in r:
             assert set(r) >= {"loss", "lr", "grad_norm", "tokens_per_s", "peak_mem_mb"}
             assert r["loss"] > 0 and r["tokens_per_s"] > 0
-    assert [r["step"] for r in records if "eval_loss" in r] == [3, 6]
+    assert [r["step"] for r in records if "eval_loss" in r] == [0, 3, 6]
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     # checkpoints of an adapter run hold only the adapter's weights, not the frozen base
     saved = load_file(out / "checkpoints" / "step-2" / "model.safetensors")
