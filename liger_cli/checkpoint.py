@@ -56,7 +56,9 @@ def prepare_output(out: Path, resume: str, overwrite: bool, is_main: bool) -> Pa
             "output.resume=auto to continue a run, or choose another output.dir"
         )
     if not (out / MARKER).exists():
-        raise UserError(f"refusing to delete {out}: it is not a liger run folder (no {MARKER}); remove it yourself")
+        raise UserError(
+            f"refusing to delete {out}: it is not a liger run folder (no {MARKER}); remove it yourself"
+        )
     if is_main:
         shutil.rmtree(out)
     return None

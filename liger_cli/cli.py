@@ -76,11 +76,17 @@ def inspect_wrap(
         str | None,
         typer.Argument(help="A local model folder, a config.json, or package.module:factory."),
     ] = None,
-    recipe: Annotated[Path | None, typer.Option(help="Inspect exactly the plan this recipe would run.")] = None,
+    recipe: Annotated[
+        Path | None, typer.Option(help="Inspect exactly the plan this recipe would run.")
+    ] = None,
     backend: Annotated[str | None, typer.Option(help="fsdp1 or fsdp2 (default fsdp2).")] = None,
-    wrap_classes: Annotated[str | None, typer.Option(help="Comma-separated classes to wrap, e.g. A,B.")] = None,
+    wrap_classes: Annotated[
+        str | None, typer.Option(help="Comma-separated classes to wrap, e.g. A,B.")
+    ] = None,
     num_processes: Annotated[int | None, typer.Option(help="Ranks to shard over (per-rank sizes).")] = None,
-    lora: Annotated[bool, typer.Option(help="Apply the default LoRA to show frozen/trainable mixing.")] = False,
+    lora: Annotated[
+        bool, typer.Option(help="Apply the default LoRA to show frozen/trainable mixing.")
+    ] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     strict: Annotated[bool, typer.Option(help="Exit 3 when the plan has warnings.")] = False,
 ) -> None:

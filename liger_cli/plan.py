@@ -14,7 +14,13 @@ from typing import Any
 
 from liger_cli.recipe import Recipe
 
-BACKEND_NAMES = {"none": "single process", "ddp": "DDP", "fsdp1": "FSDP-1", "fsdp2": "FSDP-2", "deepspeed": "DeepSpeed"}
+BACKEND_NAMES = {
+    "none": "single process",
+    "ddp": "DDP",
+    "fsdp1": "FSDP-1",
+    "fsdp2": "FSDP-2",
+    "deepspeed": "DeepSpeed",
+}
 
 
 @dataclass

@@ -77,9 +77,13 @@ class ModelSection(_Section):
     @model_validator(mode="after")
     def _one_source(self) -> ModelSection:
         if (self.path is None) == (self.config is None):
-            raise ValueError("set exactly one of model.path (a local model folder) or model.config (a config.json)")
+            raise ValueError(
+                "set exactly one of model.path (a local model folder) or model.config (a config.json)"
+            )
         if self.config is not None and self.tokenizer is None:
-            raise ValueError("model.config builds a model from scratch and has no tokenizer: set model.tokenizer")
+            raise ValueError(
+                "model.config builds a model from scratch and has no tokenizer: set model.tokenizer"
+            )
         return self
 
 
@@ -125,7 +129,13 @@ class TrainingSection(_Section):
     grad_accum: int = Field(1, ge=1)
     lr: float = Field(2e-4, gt=0)
     scheduler: Literal[
-        "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup", "inverse_sqrt"
+        "linear",
+        "cosine",
+        "cosine_with_restarts",
+        "polynomial",
+        "constant",
+        "constant_with_warmup",
+        "inverse_sqrt",
     ] = "cosine"
     warmup_steps: int = Field(0, ge=0)
     weight_decay: float = Field(0.0, ge=0)
@@ -190,7 +200,9 @@ class DistributedSection(_Section):
                 f"distributed.machine_rank {self.machine_rank} must be below num_machines {self.num_machines}"
             )
         if self.num_machines > 1 and not self.main_process_ip:
-            raise ValueError("distributed.num_machines > 1 needs distributed.main_process_ip (the rank-0 machine)")
+            raise ValueError(
+                "distributed.num_machines > 1 needs distributed.main_process_ip (the rank-0 machine)"
+            )
         return self
 
 
@@ -355,7 +367,9 @@ def apply_override(data: dict, assignment: str) -> None:
     node = data
     for depth, part in enumerate(loc[:-1]):
         if part not in _section_fields(loc[:depth]):
-            raise UserError(f"--set: unknown key `{'.'.join(loc[: depth + 1])}`; {_suggest(loc[: depth + 1])}")
+            raise UserError(
+                f"--set: unknown key `{'.'.join(loc[: depth + 1])}`; {_suggest(loc[: depth + 1])}"
+            )
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
             raise UserError(f"--set: `{'.'.join(loc[: depth + 1])}` is not a section, cannot set `{key}`")
@@ -413,9 +427,13 @@ def _check_paths(recipe: Recipe, source: str) -> None:
     model = recipe.model
     if model.path is not None:
         if not model.path.is_dir():
-            raise UserError(f"{source}: model.path {model.path} is not a folder; point it at a local model folder")
+            raise UserError(
+                f"{source}: model.path {model.path} is not a folder; point it at a local model folder"
+            )
         if not (model.path / "config.json").is_file():
-            raise UserError(f"{source}: model.path {model.path} has no config.json; is it a Hugging Face model folder?")
+            raise UserError(
+                f"{source}: model.path {model.path} has no config.json; is it a Hugging Face model folder?"
+            )
     if model.config is not None and not model.config.is_file():
         raise UserError(f"{source}: model.config file not found: {model.config}")
     if model.tokenizer is not None and not model.tokenizer.exists():
@@ -424,8 +442,13 @@ def _check_paths(recipe: Recipe, source: str) -> None:
         path = getattr(recipe.data, key)
         if path is not None and not path.is_file():
             raise UserError(f"{source}: data.{key} file not found: {path}")
-    if recipe.distributed.accelerate_config is not None and not recipe.distributed.accelerate_config.is_file():
-        raise UserError(f"{source}: distributed.accelerate_config not found: {recipe.distributed.accelerate_config}")
+    if (
+        recipe.distributed.accelerate_config is not None
+        and not recipe.distributed.accelerate_config.is_file()
+    ):
+        raise UserError(
+            f"{source}: distributed.accelerate_config not found: {recipe.distributed.accelerate_config}"
+        )
     resume = recipe.output.resume
     if resume not in ("auto", "never") and not Path(resume).is_dir():
         raise UserError(f"{source}: output.resume checkpoint folder not found: {resume}")

@@ -40,6 +40,11 @@ def test_transformers_does_not_detect_our_kernels_as_hf_kernels() -> None:
 
 
 def test_python_m_liger_cli_runs_from_anywhere(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "liger_cli", "--help"], capture_output=True, text=True,
-                          cwd=tmp_path, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "liger_cli", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+    )
     assert proc.returncode == 0 and "Usage: liger" in proc.stdout

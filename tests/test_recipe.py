@@ -73,14 +73,30 @@ def test_wrap_classes_are_split_trimmed_and_deduplicated(workdir: Path) -> None:
 # (recipe text, overrides, substrings the one-line error must contain)
 BAD = [
     (GOOD + "training2: {}\n", [], ["unknown key `training2`", "did you mean `training`"]),
-    (GOOD.replace("max_steps: 3", "lerning_rate: 3"), [], ["unknown key `training.lerning_rate`", "did you mean `training.lr`"]),
+    (
+        GOOD.replace("max_steps: 3", "lerning_rate: 3"),
+        [],
+        ["unknown key `training.lerning_rate`", "did you mean `training.lr`"],
+    ),
     (GOOD.replace("max_steps: 3", "learning_rate: 3"), [], ["did you mean `training.lr`"]),
     (GOOD.replace("max_steps: 3", "batch_size: 3"), [], ["did you mean `training.micro_batch_size`"]),
-    (GOOD.replace("format: text", "formatt: text"), [], ["unknown key `data.formatt`", "did you mean `data.format`"]),
-    (GOOD.replace("max_steps: 3", "lr: fast"), [], ["training.lr", "'fast'", "valid number", "recipe.yaml:7"]),
+    (
+        GOOD.replace("format: text", "formatt: text"),
+        [],
+        ["unknown key `data.formatt`", "did you mean `data.format`"],
+    ),
+    (
+        GOOD.replace("max_steps: 3", "lr: fast"),
+        [],
+        ["training.lr", "'fast'", "valid number", "recipe.yaml:7"],
+    ),
     (GOOD.replace("max_steps: 3", "lr: -1"), [], ["training.lr", "greater than 0"]),
     (GOOD.replace("max_steps: 3", "max_steps: 0"), [], ["training.max_steps", "greater than or equal to 1"]),
-    (GOOD.replace("max_steps: 3", "max_steps: 3\n  epochs: 1"), [], ["only one of training.max_steps and training.epochs"]),
+    (
+        GOOD.replace("max_steps: 3", "max_steps: 3\n  epochs: 1"),
+        [],
+        ["only one of training.max_steps and training.epochs"],
+    ),
     (GOOD.replace("max_steps: 3", "scheduler: wavy"), [], ["training.scheduler", "'wavy'", "cosine"]),
     (GOOD + "kernels:\n  cross_entropy: true\n", [], ["mutually exclusive"]),
     (GOOD + "adapter:\n  type: qlora\n", [], ["adapter.type", "'lora', 'dora' or 'none'"]),
@@ -88,13 +104,29 @@ BAD = [
     (GOOD + "adapter:\n  dropout: 1.5\n", [], ["adapter.dropout", "less than 1"]),
     (GOOD + "adapter:\n  target_modules: 5\n", [], ["adapter.target_modules", "all-linear"]),
     (GOOD.replace("format: text", "format: csv"), [], ["data.format", "'text', 'instruction' or 'chat'"]),
-    (GOOD.replace("format: text", "format: text\n  eval_fraction: 1.5"), [], ["data.eval_fraction", "less than 1"]),
-    (GOOD.replace("format: text", "format: text\n  eval_fraction: 0.1\n  eval: data/train.jsonl"), [], ["at most one of data.eval and data.eval_fraction"]),
+    (
+        GOOD.replace("format: text", "format: text\n  eval_fraction: 1.5"),
+        [],
+        ["data.eval_fraction", "less than 1"],
+    ),
+    (
+        GOOD.replace("format: text", "format: text\n  eval_fraction: 0.1\n  eval: data/train.jsonl"),
+        [],
+        ["at most one of data.eval and data.eval_fraction"],
+    ),
     (GOOD + "distributed:\n  num_processes: 2\n", [], ["backend is none", "ddp, fsdp1, fsdp2 or deepspeed"]),
     (GOOD + "distributed:\n  backend: ddp\n  num_machines: 2\n", [], ["main_process_ip"]),
     (GOOD + "distributed:\n  backend: horovod\n", [], ["distributed.backend", "'horovod'"]),
-    (GOOD + "distributed:\n  activation_checkpointing: yes-please\n", [], ["distributed.activation_checkpointing"]),
-    (GOOD + "distributed:\n  main_process_port: 70000\n", [], ["distributed.main_process_port", "less than or equal to 65535"]),
+    (
+        GOOD + "distributed:\n  activation_checkpointing: yes-please\n",
+        [],
+        ["distributed.activation_checkpointing"],
+    ),
+    (
+        GOOD + "distributed:\n  main_process_port: 70000\n",
+        [],
+        ["distributed.main_process_port", "less than or equal to 65535"],
+    ),
     (GOOD + "output:\n  dir: a\n", [], ["duplicate key `output`", "line 10", "first at line 8"]),
     (GOOD.replace("  max_steps: 3", "  max_steps: 3\n  max_steps: 4"), [], ["duplicate key `max_steps`"]),
     ("model: [unclosed\n", [], ["invalid YAML", "line 2"]),
@@ -105,13 +137,29 @@ BAD = [
     ("just a string\n", [], ["top level must be a mapping", "str"]),
     (GOOD.replace("path: model", "path: missing-model"), [], ["model.path", "missing-model", "not a folder"]),
     (GOOD.replace("path: model", "path: data"), [], ["has no config.json"]),
-    (GOOD.replace("train: data/train.jsonl", "train: data/nope.jsonl"), [], ["data.train file not found", "nope.jsonl"]),
-    (GOOD.replace("model:\n  path: model\n", "model:\n  dtype: float32\n"), [], ["exactly one of model.path", "model.config"]),
+    (
+        GOOD.replace("train: data/train.jsonl", "train: data/nope.jsonl"),
+        [],
+        ["data.train file not found", "nope.jsonl"],
+    ),
+    (
+        GOOD.replace("model:\n  path: model\n", "model:\n  dtype: float32\n"),
+        [],
+        ["exactly one of model.path", "model.config"],
+    ),
     (GOOD.replace("  path: model\n", "  config: model/config.json\n"), [], ["set model.tokenizer"]),
-    (GOOD.replace("data:\n  train: data/train.jsonl\n  format: text\n", ""), [], ["missing required key `data`"]),
+    (
+        GOOD.replace("data:\n  train: data/train.jsonl\n  format: text\n", ""),
+        [],
+        ["missing required key `data`"],
+    ),
     (GOOD + "training: 5\n", [], ["duplicate key `training`"]),
     (GOOD.replace("training:\n  max_steps: 3\n", "training: 5\n"), [], ["`training` must be a section"]),
-    (GOOD, ["training.lerning_rate=1e-4"], ["--set", "unknown key `training.lerning_rate`", "did you mean `training.lr`"]),
+    (
+        GOOD,
+        ["training.lerning_rate=1e-4"],
+        ["--set", "unknown key `training.lerning_rate`", "did you mean `training.lr`"],
+    ),
     (GOOD, ["trainin.lr=1e-4"], ["--set", "unknown key `trainin`", "did you mean `training`"]),
     (GOOD, ["training.lr=abc"], ["--set training.lr=abc", "training.lr", "valid number"]),
     (GOOD, ["training.lr"], ["expected KEY=VALUE"]),
@@ -122,7 +170,9 @@ BAD = [
 
 
 @pytest.mark.parametrize(("text", "overrides", "expected"), BAD, ids=[f"bad{i:02d}" for i in range(len(BAD))])
-def test_malformed_recipe_exits_2_with_one_line(workdir: Path, text: str, overrides: list[str], expected: list[str]) -> None:
+def test_malformed_recipe_exits_2_with_one_line(
+    workdir: Path, text: str, overrides: list[str], expected: list[str]
+) -> None:
     recipe = write(workdir, text)
     args = ["train", str(recipe)]
     for item in overrides:

@@ -31,7 +31,9 @@ def recipe_text(model_dir: Path, out: Path, **extra: str) -> str:
 
 
 def liger(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "liger_cli", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "liger_cli", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 # A driver that trains in-process and simulates a crash at a chosen point, in a fresh process.
@@ -60,8 +62,12 @@ train.run(recipe, build_plan(recipe))
 
 
 def crash(recipe: Path, mode: str, at: int) -> int:
-    proc = subprocess.run([sys.executable, "-c", CRASH_DRIVER, str(recipe), mode, str(at)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", CRASH_DRIVER, str(recipe), mode, str(at)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     return proc.returncode
 
 
@@ -114,14 +120,18 @@ def test_adapter_loads_in_peft_and_reproduces_eval_loss(uninterrupted: Path, tin
     total, tokens = 0.0, 0
     with torch.no_grad():
         for start in range(0, len(eval_ds), 4):
-            batch = collate([eval_ds[i] for i in range(start, min(start + 4, len(eval_ds)))], tokenizer.pad_token_id)
+            batch = collate(
+                [eval_ds[i] for i in range(start, min(start + 4, len(eval_ds)))], tokenizer.pad_token_id
+            )
             total += model(**batch, num_items_in_batch=torch.tensor(1)).loss.item()
             tokens += int((batch["labels"][:, 1:] != -100).sum())
     expected = json.loads((uninterrupted / "final_metrics.json").read_text())["eval_loss"]
     assert total / tokens == pytest.approx(expected, rel=1e-5)
 
 
-def test_resume_after_a_crash_is_bit_identical(uninterrupted: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_resume_after_a_crash_is_bit_identical(
+    uninterrupted: Path, tiny_model_dir: Path, tmp_path: Path
+) -> None:
     recipe = tmp_path / "r.yaml"
     recipe.write_text(recipe_text(tiny_model_dir, tmp_path / "out"))
     assert crash(recipe, "stop-after-save", 4) == 17
@@ -135,7 +145,9 @@ def test_resume_after_a_crash_is_bit_identical(uninterrupted: Path, tiny_model_d
         assert torch.equal(a[key], b[key]), key
 
 
-def test_kill_during_save_keeps_the_previous_checkpoint(uninterrupted: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_kill_during_save_keeps_the_previous_checkpoint(
+    uninterrupted: Path, tiny_model_dir: Path, tmp_path: Path
+) -> None:
     recipe = tmp_path / "r.yaml"
     out = tmp_path / "out"
     recipe.write_text(recipe_text(tiny_model_dir, out))
@@ -170,13 +182,25 @@ def test_output_dir_protection(uninterrupted: Path, tmp_path: Path) -> None:
     assert (foreign / "thesis.tex").read_text() == "do not delete"
 
 
-def test_nan_loss_stops_with_the_step_and_keeps_the_last_checkpoint(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_nan_loss_stops_with_the_step_and_keeps_the_last_checkpoint(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
     recipe = tmp_path / "r.yaml"
     out = tmp_path / "out"
     recipe.write_text(recipe_text(tiny_model_dir, out, output=f"{{dir: {out}, save_every: 1}}"))
     # an absurd learning rate with no clipping: the weights overflow and the loss follows
-    proc = liger("train", str(recipe), "--set", "training.lr=1e30", "--set", "training.max_grad_norm=null",
-                 "--set", "training.warmup_steps=0", "--set", "adapter.type=none")
+    proc = liger(
+        "train",
+        str(recipe),
+        "--set",
+        "training.lr=1e30",
+        "--set",
+        "training.max_grad_norm=null",
+        "--set",
+        "training.warmup_steps=0",
+        "--set",
+        "adapter.type=none",
+    )
     assert proc.returncode == 1, proc.stderr[-2000:]
     line = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")][0]
     assert "loss is" in line and "at step" in line and "last good checkpoint" in line
@@ -186,7 +210,9 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_last_checkpoint(tiny_model_d
     assert not (out / "final").exists()
 
 
-def test_merge_gives_the_adapter_models_logits(uninterrupted: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_merge_gives_the_adapter_models_logits(
+    uninterrupted: Path, tiny_model_dir: Path, tmp_path: Path
+) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -194,8 +220,9 @@ def test_merge_gives_the_adapter_models_logits(uninterrupted: Path, tiny_model_d
     proc = liger("merge", str(uninterrupted), str(merged_dir))
     assert proc.returncode == 0, proc.stderr[-2000:]
     merged = AutoModelForCausalLM.from_pretrained(merged_dir).eval()
-    adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
-                                        uninterrupted / "final").eval()
+    adapter = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir), uninterrupted / "final"
+    ).eval()
     ids = torch.randint(0, merged.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, adapter(ids).logits, atol=1e-5, rtol=1e-5)
