@@ -11,6 +11,8 @@ of training wrongly.
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import os
 
 import torch
@@ -91,11 +93,20 @@ def deepspeed_plugin(recipe: Recipe, plan: Plan):
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
-    return DeepSpeedPlugin(hf_ds_config=config)
+    # zero3_init_flag: transformers' from_pretrained then builds the model under ZeRO-3's init context
+    # (field failure 2), each parameter partitioned as it is created.
+    return DeepSpeedPlugin(hf_ds_config=config, zero3_init_flag=zero["stage"] == 3)
 
 
 def make_accelerator(recipe: Recipe, plan: Plan):
     """An Accelerator that runs the Plan's backend, on GPUs or (with gloo) on CPUs."""
+    if plan.backend == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        from liger_cli.errors import UserError
+
+        raise UserError(
+            "distributed.backend deepspeed needs the deepspeed package: "
+            "DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed (or choose fsdp2)"
+        )
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState, PartialState
     from accelerate.utils import DistributedDataParallelKwargs, DistributedType
@@ -110,6 +121,10 @@ def make_accelerator(recipe: Recipe, plan: Plan):
         )
     for key in _BACKEND_ENV:
         os.environ.pop(key, None)
+    # transformers loads under ZeRO-3 while a DeepSpeed config is registered; a later run must not.
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
 
     kwargs: dict = {"mixed_precision": PRECISION_TO_ACCELERATE[plan.precision], "cpu": plan.device == "cpu"}
     if plan.backend == "ddp":
@@ -120,6 +135,10 @@ def make_accelerator(recipe: Recipe, plan: Plan):
     elif plan.backend == "deepspeed":
         os.environ.setdefault("DS_ACCELERATOR", plan.device)
         kwargs["deepspeed_plugin"] = deepspeed_plugin(recipe, plan)
+        if plan.device != "cpu" or plan.num_processes > 1:  # the engine runs (one CPU process trains plainly)
+            # The engine's accumulation count, also accelerate's (else it warns that they differ). Never
+            # without the engine: accelerate's own backward would divide the loss by it.
+            kwargs["gradient_accumulation_steps"] = recipe.training.grad_accum
     accelerator = Accelerator(**kwargs)
 
     state = AcceleratorState()
@@ -144,15 +163,51 @@ def make_accelerator(recipe: Recipe, plan: Plan):
 def _select_deepspeed_on_cpu(state, plugin, accelerator) -> None:
     import deepspeed
 
+    # DeepSpeed's CPU communication layer compiles a shared-memory all-reduce op on first use (~95 s on 2
+    # cores, measured); only inference's all-reduce uses it, training's collectives go through gloo.
+    # Marking it incompatible makes DeepSpeed fall back to gloo instead of compiling (its probe result is
+    # one module-level dict, read when the communication layer starts).
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     # deepspeed's own communication layer wraps the existing gloo group (accelerate does this only on GPUs).
     deepspeed.init_distributed(dist_backend="gloo")
     plugin.set_mixed_precision(state._mixed_precision)
+    # select() registers the config with transformers (HfDeepSpeedConfig), so from_pretrained loads
+    # under ZeRO-3's init context.
     plugin.select(_from_accelerator_state=True)
     state.deepspeed_plugins = plugin
     state._mixed_precision = "no"
     accelerator.deepspeed_engine_wrapped = None
-    # transformers' from_pretrained builds the model under ZeRO-3's init context only when this is set.
-    plugin.set_deepspeed_weakref()
+
+
+@contextlib.contextmanager
+def micro_batch(accelerator, model: nn.Module, last: bool):
+    """Wraps one micro-batch's forward and backward; yields the `backward(loss)` to call on its loss.
+
+    The loss is this micro-batch's share of the step's global mean (a sum over its tokens divided by
+    the step's token count over all ranks), so the gradients must be summed over ranks and micro-
+    batches, never averaged: DDP, FSDP and ZeRO average over ranks, hence the `* world`.
+
+    DDP/FSDP: gradients are synchronised only on the last micro-batch (`no_sync` must cover the
+    forward too); the loop then clips and steps. DeepSpeed: the engine clips (its
+    `gradient_clipping`), steps and zeroes the gradients itself inside the last backward. We set its
+    accumulation boundary explicitly and stop it from dividing the loss by the accumulation count
+    again (`scale_wrt_gas=False`); accelerate's own backward would step the engine after EVERY
+    micro-batch unless its `accumulate` counter drives it, and would scale the loss by 1/grad_accum.
+    """
+    world = accelerator.num_processes
+    if accelerator.distributed_type.name == "DEEPSPEED":
+        engine = accelerator.deepspeed_engine_wrapped.engine
+        engine.set_gradient_accumulation_boundary(last)
+
+        def backward(loss: torch.Tensor) -> None:
+            engine.backward(loss * world, scale_wrt_gas=False)
+            if last:
+                engine.step()
+
+        yield backward
+        return
+    with contextlib.nullcontext() if last else accelerator.no_sync(model):
+        yield lambda loss: accelerator.backward(loss * world)
 
 
 def apply_wrap_plan(accelerator, model: nn.Module, recipe: Recipe, plan: Plan) -> None:

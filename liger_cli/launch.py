@@ -35,6 +35,8 @@ def inside_launcher() -> bool:
 def launch(recipe: Recipe, recipe_path: Path, overrides: list[str]) -> int:
     """Train; returns the exit code (0 done, 1 runtime failure)."""
     plan = build_plan(recipe)
+    if plan.device == "cpu":  # tells DeepSpeed (when accelerate imports it) what it would guess, aloud
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if plan.num_processes > 1 and not inside_launcher():
         from liger_cli.multiprocess import run_accelerate_launch
 

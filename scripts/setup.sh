@@ -28,4 +28,12 @@ fi
 
 echo "setup: installing liger (editable) with test and bench extras"
 "${PIP[@]}" install -e ".[test,bench]"
+
+# DeepSpeed (the `deepspeed` backend), built without compiled ops: liger skips the one op a CPU run
+# would JIT-compile. No build isolation, or the build would fetch a CUDA torch of its own.
+if ! .venv/bin/python -c "import deepspeed" 2>/dev/null; then
+  echo "setup: installing DeepSpeed (no compiled ops)"
+  "${PIP[@]}" install setuptools wheel
+  DS_BUILD_OPS=0 "${PIP[@]}" install --no-build-isolation "deepspeed>=0.16,<0.20"
+fi
 echo "setup: done. Activate with: source .venv/bin/activate"

@@ -3,9 +3,11 @@
 Started once per backend by torchrun (or plainly, for the 1-process references): a 2-process
 launch costs 10-20 s of imports, so the cases of a backend share it. Usage:
     python -m torch.distributed.run --nproc_per_node 2 tests/dist_driver.py SPEC.json
-SPEC: {"cases": [{"recipe": PATH, "env": {NAME: VALUE}}], "field_failure_1": RECIPE_PATH or null}.
+SPEC: {"cases": [{"recipe": PATH, "env": {NAME: VALUE}}], "field_failure_1": RECIPE_PATH or null,
+"zero3_load": RECIPE_PATH or null}.
 Each case trains through `liger_cli.train.run`, exactly as `liger train` does in each rank, and
-writes `checks.json` beside its metrics: whether embedding and lm_head are still one parameter.
+writes `checks.json` beside its metrics: whether embedding and lm_head are still one parameter, and
+how many elements of lm_head.weight this rank holds outside any forward (0 when ZeRO-3 partitions it).
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ def _save_final_with_checks(accelerator, model, tokenizer, out: Path) -> None:
     """The real save, after recording what the tests need from the trained, still-wrapped model."""
     if accelerator.is_main_process:
         inner = accelerator.unwrap_model(model)
-        tied = inner.get_input_embeddings().weight is inner.get_output_embeddings().weight
-        (out / "checks.json").write_text(json.dumps({"tied": tied}))
+        lm_head = inner.get_output_embeddings().weight
+        tied = inner.get_input_embeddings().weight is lm_head
+        (out / "checks.json").write_text(json.dumps({"tied": tied, "lm_head_numel": lm_head.numel()}))
     _real_save_final(accelerator, model, tokenizer, out)
 
 
@@ -56,6 +59,36 @@ def field_failure_1(recipe_path: str) -> str:
     return "no error"
 
 
+def zero3_load(recipe_path: str) -> dict:
+    """Build the model as a DeepSpeed run does, before `prepare`: was every parameter created
+    partitioned (under ZeRO-3's init context), and do the gathered weights equal the saved file?"""
+    import deepspeed
+    from safetensors.torch import load_file
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    from liger_cli.distributed import make_accelerator
+    from liger_cli.model import build_model
+
+    recipe = load_recipe(recipe_path)
+    plan = build_plan(recipe)
+    make_accelerator(recipe, plan)
+    model = build_model(recipe, plan)
+    saved = load_file(Path(recipe.model.path) / "model.safetensors")
+    params = dict(model.named_parameters())
+    partitioned = all(hasattr(p, "ds_id") and p.numel() == 0 for p in params.values())
+    with deepspeed.zero.GatheredParameters(list(params.values())):
+        diff = max((params[name] - saved[name]).abs().max().item() for name in saved)
+        shapes = all(params[name].shape == saved[name].shape for name in saved)
+    return {
+        "partitioned_at_load": partitioned,
+        "same_names": sorted(params) == sorted(saved),
+        "same_shapes": shapes,
+        "max_abs_diff": diff,
+        "rms_norm_eps": model.config.rms_norm_eps,
+        "zero3_enabled": is_deepspeed_zero3_enabled(),
+    }
+
+
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     train.save_final = _save_final_with_checks
@@ -73,6 +106,10 @@ def main() -> None:
         message = field_failure_1(spec["field_failure_1"])
         if os.environ.get("RANK", "0") == "0":
             Path(spec["field_failure_1"]).with_suffix(".ff1.txt").write_text(message)
+    if spec.get("zero3_load"):
+        result = zero3_load(spec["zero3_load"])
+        if os.environ.get("RANK", "0") == "0":
+            Path(spec["zero3_load"]).with_suffix(".zero3.json").write_text(json.dumps(result))
     end_process_group()
 
 

@@ -1,0 +1,157 @@
+"""DeepSpeed ZeRO with 2 real processes on gloo (DS_ACCELERATOR=cpu), a tiny Llama, kernels on.
+
+DeepSpeed must train the model a 1-process run trains: LoRA and full fine-tuning with grad_accum 2
+(ZeRO-3, with and without activation checkpointing; ZeRO-2) give the same per-step losses and
+gradient norms (fp32, 1e-5) and the same saved weights; under ZeRO-3 the model is loaded
+partitioned through transformers' own path with the saved weights; a checkpoint resumes in a fresh
+`liger train` launch. One 2-process driver launch holds the training cases and the loading check
+(each launch costs 15-20 s of imports); no DeepSpeed op may be compiled at run time.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_distributed import (  # noqa: F401 - `assets` is a fixture
+    assert_same_run,
+    assets,
+    free_port,
+    liger_train,
+    losses,
+    run_driver,
+    write_recipe,
+)
+
+pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (scripts/setup.sh installs it)")
+
+CASES = {  # name -> (adapter type, activation checkpointing, ZeRO stage); each compared with the 1-process run
+    "lora": ("lora", "off", 3),
+    "full": ("none", "off", 3),
+    "lora-ac": ("lora", "auto", 3),  # auto: reentrant under sharding
+    "full-zero2": ("none", "off", 2),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(assets, tmp_path_factory) -> dict[str, Path]:  # noqa: F811 - the imported fixture
+    """1-process references, then ONE 2-process DeepSpeed launch: the CASES, then the loading check."""
+    root = tmp_path_factory.mktemp("deepspeed")
+    outs = {name: root / name for name in ("ref-lora", "ref-full", "one-process", *CASES)}
+    refs = [write_recipe(assets, outs["ref-lora"]), write_recipe(assets, outs["ref-full"], adapter="none")]
+    # backend deepspeed with ONE process on a CPU: no engine, a plain run that must equal the reference.
+    refs.append(write_recipe(assets, outs["one-process"], "deepspeed", adapter="none", training__grad_accum=4,
+                             distributed__num_processes=1))  # fmt: skip
+    proc = run_driver({"cases": [{"recipe": str(r)} for r in refs]}, root, nproc=1)
+    (root / "driver-1.stdout").write_text(proc.stdout)
+
+    recipes = {
+        name: write_recipe(assets, outs[name], "deepspeed", adapter, ac, distributed__zero_stage=stage)
+        for name, (adapter, ac, stage) in CASES.items()
+    }
+    recipes["lora"] = write_recipe(assets, outs["lora"], "deepspeed", output__save_every=2)  # resumed below
+    # DeepSpeed would compile a CPU communication op here on first use (~95 s): it must not build anything.
+    cases = [
+        {"recipe": str(r), "env": {"TORCH_EXTENSIONS_DIR": str(root / "torch_extensions")}}
+        for r in recipes.values()
+    ]
+    # A loading argument with a visible effect: every one must reach from_pretrained (field failure 2).
+    load = write_recipe(
+        assets, root / "load", "deepspeed", adapter="none", model__load_kwargs={"rms_norm_eps": 1e-3}
+    )
+    proc = run_driver({"cases": cases, "zero3_load": str(load)}, root, nproc=2, timeout=240)
+    (root / "driver.stdout").write_text(proc.stdout)
+    return outs | {"root": root, "lora-recipe": recipes["lora"], "load": root / "load.zero3.json"}
+
+
+def grad_norms(out: Path) -> list[float]:
+    records = map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+    return [r["grad_norm"] for r in records if "grad_norm" in r]
+
+
+def test_deepspeed_with_one_cpu_process_trains_plainly(runs) -> None:
+    assert "sharding: single process" in (runs["root"] / "driver-1.stdout").read_text()
+    assert losses(runs["one-process"]) == pytest.approx(losses(runs["ref-full"]), abs=1e-5, rel=0)
+    assert grad_norms(runs["one-process"]) == pytest.approx(grad_norms(runs["ref-full"]), rel=1e-5)
+
+
+@pytest.mark.timeout(360)
+@pytest.mark.parametrize("name", CASES)
+def test_deepspeed_trains_the_one_process_model(name: str, runs) -> None:
+    adapter, ac, stage = CASES[name]
+    out, ref = runs[name], runs["ref-lora" if adapter == "lora" else "ref-full"]
+    assert_same_run(out, ref)  # per-step losses within 1e-5, same saved weights, the adapter loads in peft
+    # The engine clipped with the same global norm (full fine-tuning's norms exceed max_grad_norm 1.0).
+    assert grad_norms(out) == pytest.approx(grad_norms(ref), rel=1e-5)
+    if adapter == "none":  # the model rank 0 gathered and saved loads through transformers
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(out / "final")
+        saved = load_file(out / "final" / "model.safetensors")
+        assert model.lm_head.weight.shape == saved["lm_head.weight"].shape == (model.config.vocab_size, 32)
+        torch.testing.assert_close(model.lm_head.weight.detach(), saved["lm_head.weight"], atol=0, rtol=0)
+    plan = (out / "plan.txt").read_text()
+    assert "(deepspeed)" in plan and "2 on 1 machine(s)" in plan
+    assert "fused_linear_cross_entropy: patched" in plan
+    if ac == "auto":
+        assert "activation ckpt     reentrant" in plan
+    stdout = (runs["root"] / "driver.stdout").read_text()
+    assert not (runs["root"] / "torch_extensions").exists() and "built successfully" not in stdout
+    sharding = [line for line in stdout.splitlines() if line.startswith("sharding:")]
+    assert len(sharding) == len(CASES)
+    lm_head_numel = json.loads((out / "checks.json").read_text())["lm_head_numel"]
+    if stage == 3:
+        # lm_head.weight is partitioned away outside a forward: the fused loss really needed the gather.
+        assert lm_head_numel == 0
+        assert "fused loss: lm_head.weight registered with ZeRO-3" in stdout
+        assert sum("ZeRO-3" in s and "(1/2)" in s for s in sharding) == 3, sharding
+    else:
+        assert lm_head_numel > 0 and any("ZeRO-2: parameters replicated" in s for s in sharding), sharding
+
+
+@pytest.mark.timeout(360)
+def test_zero3_loads_the_saved_weights_partitioned(runs) -> None:
+    """from_pretrained ran under ZeRO-3's init context with every loading argument passed through."""
+    result = json.loads(runs["load"].read_text())
+    assert result["zero3_enabled"] and result["partitioned_at_load"], result  # every parameter (0,) at load
+    assert result["same_names"] and result["same_shapes"], result
+    assert result["max_abs_diff"] == 0.0, result  # gathered weights equal the safetensors file exactly
+    assert result["rms_norm_eps"] == 1e-3
+
+
+@pytest.mark.timeout(360)
+def test_zero3_checkpoint_resumes_in_a_new_launch(runs, tmp_path: Path) -> None:
+    """`liger train` (accelerate launch, 2 processes) resumes the step-2 checkpoint: same steps 3-4."""
+    checkpoint = runs["lora"] / "checkpoints" / "step-2"
+    assert (checkpoint / "trainer_state.json").is_file()
+    resumed = tmp_path / "resumed"
+    proc = liger_train(runs["lora-recipe"], "--set", f"output.dir={resumed}", "--set", f"output.resume={checkpoint}",
+                       "--set", f"distributed.main_process_port={free_port()}", timeout=240)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "launching 2 processes" in proc.stderr
+    assert f"resumed from {checkpoint} at step 2" in proc.stdout
+    assert losses(resumed) == pytest.approx(losses(runs["lora"])[2:], abs=1e-5, rel=0)
+    got, want = (load_file(p / "final" / "adapter_model.safetensors") for p in (resumed, runs["lora"]))
+    assert got.keys() == want.keys() and got
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], atol=1e-6, rtol=1e-5, msg=key)
+
+
+def test_deepspeed_backend_without_deepspeed_is_a_user_error(assets, tmp_path: Path, monkeypatch) -> None:  # noqa: F811
+    import importlib.util
+
+    from liger_cli.distributed import make_accelerator
+    from liger_cli.errors import UserError
+    from liger_cli.plan import build_plan
+    from liger_cli.recipe import load_recipe
+
+    recipe = load_recipe(write_recipe(assets, tmp_path / "out", "deepspeed"))
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else find_spec(name, *a)
+    )
+    with pytest.raises(UserError, match="needs the deepspeed package.*pip install"):
+        make_accelerator(recipe, build_plan(recipe))
