@@ -1,7 +1,9 @@
 """RMSNorm: y = x / sqrt(mean(x^2) + eps) * (offset + weight), in fp32, returned in x's dtype.
 
-`offset=1.0` is Gemma's form (weights stored around zero). The Triton path saves one fp32 `rstd` per
-row, so the backward needs no second reduction pass over the forward.
+`offset=1.0` is Gemma's form (weights stored around zero). Both paths save one [rows, hidden] tensor
+and one fp32 `rstd` per row for the backward, which recomputes the normalised input from them: eager
+autograd of the formula also keeps `x * rstd` whenever the weight is trained, and an fp32 copy of a
+bf16/fp16 input. The backward then needs no second reduction pass over the forward.
 """
 
 from __future__ import annotations
@@ -122,8 +124,52 @@ class _RMSNormTriton(torch.autograd.Function):
         return dx.view(dy.shape), dw_partial.sum(0).to(weight.dtype), None, None
 
 
+class _RMSNormTorch(torch.autograd.Function):
+    """The PyTorch path: the formula, with a backward written out so autograd keeps one tensor and rstd.
+
+    In fp32/fp64 the saved tensor is the OUTPUT y, and the backward recovers x * rstd as y / (offset + w).
+    The next layer keeps y anyway (a LoRA or trainable linear saves its input), so the norm adds only
+    rstd, and its input, the residual stream, is freed after the residual add instead of living until
+    the backward: one [rows, hidden] tensor less per norm. A weight with a zero (or subnormal) entry
+    cannot be divided by, and a bf16/fp16 y is too coarse to divide, so those save x instead.
+    A caller that modifies y in place then gets autograd's "modified by an inplace operation" error.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, offset):
+        compute = torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 for gradcheck
+        xf = x.to(compute)
+        scale = weight.to(compute) + offset
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True).add_(eps))
+        y = (xf * rstd).mul_(scale).to(x.dtype)
+        # A host read of a [hidden] vector: cheap on the CPU, where this path runs.
+        ctx.from_output = x.dtype == compute and bool((scale.abs() >= torch.finfo(compute).tiny).all())
+        ctx.save_for_backward(y if ctx.from_output else x, weight, rstd)
+        ctx.offset = offset
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        saved, weight, rstd = ctx.saved_tensors
+        compute = rstd.dtype
+        scale = weight.to(compute) + ctx.offset
+        xf = saved / scale / rstd if ctx.from_output else saved.to(compute)  # recomputed, never saved
+        dyf = dy.to(compute)
+        dx = dw = None
+        if ctx.needs_input_grad[1]:  # a frozen weight (LoRA) skips this [rows, hidden] product
+            dw = (dyf * (xf * rstd)).reshape(-1, xf.shape[-1]).sum(0).to(weight.dtype)
+        if ctx.needs_input_grad[0]:
+            # dx = dy*w*rstd - x * rstd^3 * mean(dy*w*x), rounded in the order autograd of the formula
+            # rounds it, so training matches the unpatched model closely even through Adam's division.
+            dy_w = dyf * scale
+            d_rstd = (dy_w * xf).sum(-1, keepdim=True).mul_(-0.5).mul_(rstd.pow(3))
+            dx = dy_w.mul_(rstd).add_(d_rstd.div_(xf.shape[-1]).mul_(2.0).mul(xf)).to(dy.dtype)
+        return dx, dw, None, None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0) -> torch.Tensor:
     """RMS-normalise the last dimension of `x` and scale by `offset + weight`."""
     if use_triton(x):
         return _RMSNormTriton.apply(x, weight, float(eps), float(offset))
-    return rms_norm_reference(x, weight, eps, offset)
+    return _RMSNormTorch.apply(x, weight, float(eps), float(offset))

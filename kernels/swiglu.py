@@ -1,7 +1,8 @@
 """SwiGLU: silu(gate) * up, the activation of Llama-style gate/up/down MLPs.
 
-The Triton path fuses the activation and the product into one pass and recomputes silu in the backward
-instead of saving it, so only the two inputs are kept for autograd.
+Both paths recompute silu in the backward instead of saving it, so only the two inputs are kept for
+autograd: eager autograd of the formula also keeps silu(gate), one more [tokens, intermediate] tensor per
+MLP. The Triton path also fuses the activation and the product into one pass.
 """
 
 from __future__ import annotations
@@ -65,8 +66,36 @@ class _SwiGLUTriton(torch.autograd.Function):
         return da, db
 
 
+class _SwiGLUTorch(torch.autograd.Function):
+    """The PyTorch path: computed in fp32 (or fp64) like the Triton path, saving only gate and up."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        compute = torch.promote_types(gate.dtype, torch.float32)
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate.to(compute)).mul_(up.to(compute)).to(gate.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dc):
+        gate, up = ctx.saved_tensors
+        compute = torch.promote_types(gate.dtype, torch.float32)
+        a, dcf = gate.to(compute), dc.to(compute)
+        sig = torch.sigmoid(a)
+        d_gate = d_up = None
+        if ctx.needs_input_grad[1]:
+            d_up = (a * sig).mul_(dcf).to(up.dtype)
+        if ctx.needs_input_grad[0]:
+            # d silu(a) / da = sig * (1 + a * (1 - sig)), built in place on one buffer
+            d_gate = torch.rsub(sig, 1.0).mul_(a).add_(1.0).mul_(sig).mul_(dcf).mul_(up.to(compute))
+            d_gate = d_gate.to(gate.dtype)
+        return d_gate, d_up
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, elementwise (inputs of different shapes or dtypes take the PyTorch path)."""
-    if gate.shape != up.shape or gate.dtype != up.dtype or not use_triton(gate):
+    if gate.shape != up.shape or gate.dtype != up.dtype:
         return swiglu_reference(gate, up)
-    return _SwiGLUTriton.apply(gate, up)
+    if use_triton(gate):
+        return _SwiGLUTriton.apply(gate, up)
+    return _SwiGLUTorch.apply(gate, up)

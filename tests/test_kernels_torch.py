@@ -82,6 +82,137 @@ def test_swiglu_matches_formula(dtype, tol):
         torch.testing.assert_close(got.double(), exp, rtol=tol, atol=tol)
 
 
+class SavedBytes:
+    """Sums the bytes of the distinct storages autograd saves for backward while active (not parameters)."""
+
+    def __init__(self, *exclude):
+        self.skip = {t.untyped_storage().data_ptr() for t in exclude}
+        self.seen = {}
+
+    def pack(self, t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self.skip:
+            self.seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    def __enter__(self):
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+
+    @property
+    def total(self):
+        return sum(self.seen.values())
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("train_weight", [True, False])
+def test_rms_norm_any_layout_matches_autograd_of_formula(offset, train_weight):
+    # A transposed (non-contiguous) input with two leading dimensions, and a frozen weight (LoRA).
+    base, w = leaf(96, 5, 3), leaf(96, seed=1).requires_grad_(train_weight)
+    x = base.transpose(0, 2)
+    assert not x.is_contiguous()
+    y = rms_norm(x, w, eps=1e-5, offset=offset)
+    xr, wr = (
+        base.detach().clone().requires_grad_().transpose(0, 2),
+        w.detach().clone().requires_grad_(train_weight),
+    )
+    want = xr * torch.rsqrt(xr.pow(2).mean(-1, keepdim=True) + 1e-5) * (offset + wr)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    inputs, ref_inputs = ((x, w), (xr, wr)) if train_weight else ((x,), (xr,))
+    for got, exp in zip(grads(y, inputs), grads(want, ref_inputs), strict=True):
+        torch.testing.assert_close(got, exp, rtol=1e-5, atol=1e-5)
+    rms_norm(x, w, eps=1e-5, offset=offset).sum().backward()
+    assert (w.grad is not None) == train_weight
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_rms_norm_gradcheck_float64(offset):
+    x, w = leaf(2, 3, 8, dtype=torch.float64), leaf(8, dtype=torch.float64, seed=1)
+    assert torch.autograd.gradcheck(lambda x, w: rms_norm(x, w, 1e-5, offset), (x, w))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_rms_norm_low_precision_computes_in_fp32(dtype):
+    x, w = leaf(4, 64, dtype=dtype), leaf(64, dtype=dtype, seed=1)
+    y = rms_norm(x, w, eps=1e-6)
+    gx, gw = grads(y, (x, w))
+    assert (y.dtype, gx.dtype, gw.dtype) == (dtype, dtype, dtype)
+    x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    want = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6) * w32
+    torch.testing.assert_close(y, want.to(dtype))  # one rounding of the fp32 result
+    for got, exp in zip((gx, gw), grads(want, (x32, w32)), strict=True):
+        torch.testing.assert_close(got, exp.to(dtype), rtol=2e-2, atol=2e-2)
+
+
+def test_rms_norm_saves_its_output_and_rstd_not_its_input():
+    rows, hidden = 64, 128
+    x, w = leaf(rows, hidden), leaf(hidden, seed=1)
+    with SavedBytes(w) as ours:
+        y = rms_norm(x, w, eps=1e-6)
+    # y (which the next linear keeps anyway) and one fp32 rstd per row; x, the residual stream, is free.
+    assert x.untyped_storage().data_ptr() not in ours.seen
+    assert y.untyped_storage().data_ptr() in ours.seen
+    assert ours.total == rows * hidden * 4 + rows * 4
+    with SavedBytes(w) as eager:
+        x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    assert x.untyped_storage().data_ptr() in eager.seen  # the check sees eager keep x
+    assert eager.total >= 2 * rows * hidden * 4  # and x * rstd
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_rms_norm_weight_with_a_zero_saves_input_and_stays_exact(offset):
+    x, w = leaf(6, 32), leaf(32, seed=1)
+    with torch.no_grad():
+        w[3] = -offset  # offset + w is 0 there: y / (offset + w) cannot recover x * rstd
+    with SavedBytes(w) as saved:
+        y = rms_norm(x, w, eps=1e-6, offset=offset)
+    assert x.untyped_storage().data_ptr() in saved.seen
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    want = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * (offset + w64)
+    for got, exp in zip(grads(y, (x, w)), grads(want, (x64, w64)), strict=True):
+        torch.testing.assert_close(got.double(), exp, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
+def test_swiglu_dtypes_and_gradcheck(dtype):
+    gate, up = leaf(3, 4, 7, dtype=dtype), leaf(3, 4, 7, dtype=dtype, seed=1)
+    if dtype == torch.float64:
+        assert torch.autograd.gradcheck(swiglu, (gate, up))
+        return
+    out = swiglu(gate, up)
+    g32, u32 = gate.detach().float().requires_grad_(), up.detach().float().requires_grad_()
+    want = F.silu(g32) * u32
+    torch.testing.assert_close(out, want.to(dtype))  # computed in fp32, rounded once
+    got = grads(out, (gate, up))
+    assert [g.dtype for g in got] == [dtype, dtype]
+    for a, b in zip(got, grads(want, (g32, u32)), strict=True):
+        torch.testing.assert_close(a, b.to(dtype), rtol=2e-2, atol=2e-2)
+
+
+def test_swiglu_non_contiguous_and_one_input_frozen():
+    gate = leaf(33, 5).t()
+    up = leaf(5, 33, seed=1).detach()
+    out = swiglu(gate, up)
+    g64 = gate.detach().double().requires_grad_()
+    want = F.silu(g64) * up.double()
+    (got,) = grads(out, (gate,))
+    torch.testing.assert_close(got.double(), grads(want, (g64,))[0], rtol=1e-5, atol=1e-6)
+
+
+def test_swiglu_saves_only_its_inputs():
+    gate, up = leaf(64, 96), leaf(64, 96, seed=1)
+    with SavedBytes() as ours:
+        swiglu(gate, up)
+    assert ours.total == 2 * 64 * 96 * 4  # gate and up; silu(gate) is recomputed in the backward
+    with SavedBytes() as eager:
+        F.silu(gate) * up
+    assert eager.total == 3 * 64 * 96 * 4  # the check sees silu(gate) too
+
+
 # --- cross_entropy ------------------------------------------------------------------------------
 
 
