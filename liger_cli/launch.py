@@ -37,6 +37,7 @@ def launch(recipe: Recipe, recipe_path: Path, overrides: list[str]) -> int:
     plan = build_plan(recipe)
     if plan.device == "cpu":  # tells DeepSpeed (when accelerate imports it) what it would guess, aloud
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        _return_freed_memory_to_the_os()
     if plan.num_processes > 1 and not inside_launcher():
         from liger_cli.multiprocess import run_accelerate_launch
 
@@ -71,6 +72,24 @@ def launch(recipe: Recipe, recipe_path: Path, overrides: list[str]) -> int:
     end_process_group()
     report("ok")
     return 0
+
+
+def _return_freed_memory_to_the_os() -> None:
+    """On a CPU, serve tensors of 1 MiB and more with mmap, so freeing them gives the memory back.
+
+    glibc's default threshold grows up to 32 MiB, after which activations and logits come from the
+    heap and stay in the process after they are freed: measured on recipes/bench-cpu.yaml, RSS
+    stayed 2.2-2.8 GiB above the live tensors. A training process's memory should be what it uses.
+    """
+    import ctypes
+    import ctypes.util
+
+    m_mmap_threshold = -3  # from glibc's malloc.h
+    name = ctypes.util.find_library("c")
+    try:
+        ctypes.CDLL(name).mallopt(m_mmap_threshold, 1 << 20)
+    except (OSError, AttributeError, TypeError):
+        pass  # not glibc (musl, macOS): keep the allocator's own policy
 
 
 def _quiet_libraries() -> None:
