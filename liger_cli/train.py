@@ -215,6 +215,8 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
         if accelerator.distributed_type.name == "DEEPSPEED":
             accelerator.load_state(str(resume_from))  # the engine's own sharded checkpoint; no `strict`
         else:
+            if recipe.adapter.type != "none":
+                _check_adapter_checkpoint(accelerator, model, resume_from)
             accelerator.load_state(str(resume_from), strict=recipe.adapter.type == "none")
         step = checkpoint.read_state(resume_from)["step"]
         say(f"resumed from {resume_from} at step {step}")
@@ -294,17 +296,44 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
     return last  # the process group is destroyed by the launcher (launch.py), after every run in it
 
 
+def _trainable_names(accelerator, model) -> set[str]:
+    """Trainable parameter names as accelerate's state dicts name them (without DDP's `module.`)."""
+    return {name for name, p in accelerator.unwrap_model(model).named_parameters() if p.requires_grad}
+
+
 def _save_only_trainable_weights(accelerator, model, recipe: Recipe) -> None:
     """With an adapter, checkpoints hold only the trainable weights: the frozen base is the model folder."""
     if recipe.adapter.type == "none":
         return
-    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    trainable = _trainable_names(accelerator, model)
 
     def keep_trainable(models, weights, output_dir):
         for i, state in enumerate(weights):
             weights[i] = {k: v for k, v in state.items() if k in trainable}
+            if weights[i].keys() != trainable:  # never write a checkpoint that resumes without the adapter
+                raise RuntimeError(
+                    f"checkpoint would hold {len(weights[i])} of {len(trainable)} trainable weights"
+                )
 
     accelerator.register_save_state_pre_hook(keep_trainable)
+
+
+def _check_adapter_checkpoint(accelerator, model, checkpoint_dir: Path) -> None:
+    """Loading is not strict with an adapter (the frozen base is not in the checkpoint), so check the
+    checkpoint holds exactly the trainable weights: a silent partial load would train from scratch."""
+    weights = checkpoint_dir / "model.safetensors"
+    if not weights.is_file():  # FSDP and DeepSpeed write their own sharded formats, loaded strictly
+        return
+    from safetensors import safe_open
+
+    with safe_open(weights, "pt") as f:
+        keys = set(f.keys())
+    trainable = _trainable_names(accelerator, model)
+    if keys != trainable:
+        raise RuntimeError(
+            f"checkpoint {checkpoint_dir} holds {len(keys)} weights but the model trains {len(trainable)} "
+            f"(e.g. missing {sorted(trainable - keys)[:2]}): it was written by another recipe or backend"
+        )
 
 
 def save_final(accelerator, model, tokenizer, out: Path) -> None:

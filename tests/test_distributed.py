@@ -158,7 +158,12 @@ def test_two_processes_train_the_one_process_model(backend: str, assets, referen
             env = {"FSDP_TRANSFORMER_CLS_TO_WRAP": ""}  # accelerate alone would look for a class ""
         if backend == "fsdp2" and name == "lora-ac":
             env = {"FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer,"}
-        cases.append({"recipe": str(write_recipe(assets, outs[name], backend, adapter, ac)), "env": env})
+        save = {"output__save_every": 2} if name == "lora" else {}
+        cases.append({"recipe": str(write_recipe(assets, outs[name], backend, adapter, ac, **save)), "env": env})
+    # Resume the LoRA case's step-2 checkpoint under the same backend and process count.
+    resumed = tmp_path / "resumed"
+    resume = {"output__resume": str(outs["lora"] / "checkpoints" / "step-2")}
+    cases.append({"recipe": str(write_recipe(assets, resumed, backend, "lora", **resume))})
     spec: dict = {"cases": cases}
     if backend.startswith("fsdp"):
         outs["tied"] = tmp_path / "tied"
@@ -175,8 +180,12 @@ def test_two_processes_train_the_one_process_model(backend: str, assets, referen
         assert "fused_linear_cross_entropy: patched" in plan  # kernels on, FLCE inside the forward
         if CASES.get(name, ("", "off"))[1] == "auto":
             assert "activation ckpt     reentrant" in plan or "activation ckpt     non_reentrant" in plan
+    assert losses(resumed) == pytest.approx(losses(outs["lora"])[2:], abs=1e-5, rel=0)
+    got, want = (load_file(p / "final" / "adapter_model.safetensors") for p in (resumed, outs["lora"]))
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], atol=1e-6, rtol=1e-5, msg=key)
     sharding = [line for line in proc.stdout.splitlines() if line.startswith("sharding:")]
-    assert len(sharding) == len(outs)
+    assert len(sharding) == len(outs) + 1
     if backend.startswith("fsdp"):
         assert all("LlamaDecoderLayer" in (outs[n] / "plan.txt").read_text() for n in ("lora", "lora-ac"))
         assert all("1/2" in line for line in sharding), sharding
