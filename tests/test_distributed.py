@@ -159,7 +159,9 @@ def test_two_processes_train_the_one_process_model(backend: str, assets, referen
         if backend == "fsdp2" and name == "lora-ac":
             env = {"FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer,"}
         save = {"output__save_every": 2} if name == "lora" else {}
-        cases.append({"recipe": str(write_recipe(assets, outs[name], backend, adapter, ac, **save)), "env": env})
+        cases.append(
+            {"recipe": str(write_recipe(assets, outs[name], backend, adapter, ac, **save)), "env": env}
+        )
     # Resume the LoRA case's step-2 checkpoint under the same backend and process count.
     resumed = tmp_path / "resumed"
     resume = {"output__resume": str(outs["lora"] / "checkpoints" / "step-2")}
