@@ -58,7 +58,7 @@ def train(
 
     loaded = load_recipe(recipe, set_ or [])
     if dry_run:
-        from liger_cli.plan import dry_run_plan
+        from liger_cli.launch import dry_run_plan
 
         typer.echo("# resolved recipe")
         typer.echo(loaded.to_yaml())

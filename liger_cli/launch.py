@@ -20,7 +20,7 @@ import traceback
 from pathlib import Path
 
 from liger_cli.errors import UserError
-from liger_cli.plan import build_plan
+from liger_cli.plan import Plan, build_plan
 from liger_cli.recipe import Recipe
 
 STATUS_ENV = "LIGER_STATUS_DIR"
@@ -30,6 +30,20 @@ STATUS_ENV = "LIGER_STATUS_DIR"
 def inside_launcher() -> bool:
     """True in a process started by accelerate launch or torchrun (they set LOCAL_RANK)."""
     return "LOCAL_RANK" in os.environ
+
+
+def dry_run_plan(recipe: Recipe) -> Plan:
+    """The Plan of a recipe, with the model built on the meta device (no weights read)."""
+    from liger_kernels import patch_model
+
+    from liger_cli.model import build_meta_model_for
+
+    _quiet_libraries()
+    model = build_meta_model_for(recipe)
+    plan = build_plan(recipe, model)
+    report = patch_model(model, **recipe.kernels.model_dump())
+    plan.kernel_report = report.lines()
+    return plan
 
 
 def launch(recipe: Recipe, recipe_path: Path, overrides: list[str]) -> int:

@@ -154,16 +154,3 @@ def build_plan(recipe: Recipe, model: Any = None, env: Mapping[str, str] | None 
     if device == "cpu" and any(recipe.kernels.model_dump().values()):
         plan.notes.append("on a CPU the kernels run their PyTorch paths (Triton needs a GPU)")
     return plan
-
-
-def dry_run_plan(recipe: Recipe) -> Plan:
-    """The Plan of a recipe, with the model built on the meta device (no weights read)."""
-    from liger_kernels import patch_model
-
-    from liger_cli.model import build_meta_model_for
-
-    model = build_meta_model_for(recipe)
-    plan = build_plan(recipe, model)
-    report = patch_model(model, **recipe.kernels.model_dump())
-    plan.kernel_report = report.lines()
-    return plan
