@@ -18,11 +18,13 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from liger_cli import checkpoint
 from liger_cli.data import build_datasets, collate
@@ -230,6 +232,10 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
         last["eval_loss"] = evaluate(model, eval_ds, accelerator, t.micro_batch_size, pad_id)
         metrics_log.write(0, {"eval_loss": last["eval_loss"]}, say)
     window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
+    # A progress bar on a terminal only (not in log files or pipes); the log lines print above it.
+    progress = tqdm(total=total_steps, initial=step, unit="step", desc="training",
+                    disable=not (main and sys.stderr.isatty()))  # fmt: skip
+    log = progress.write if not progress.disable else say
     model.train()
     while step < total_steps:
         micro = [
@@ -262,6 +268,7 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
         optimizer.zero_grad(set_to_none=True)
         step += 1
         window_steps += 1
+        progress.update(1)
 
         if step % recipe.logging.every == 0 or step == total_steps:
             elapsed = time.perf_counter() - window_start
@@ -273,16 +280,18 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
                 "step_time_s": elapsed / window_steps,
                 "peak_mem_mb": _peak_memory_mb(device),
             }
-            metrics_log.write(step, last, say)
+            metrics_log.write(step, last, log)
+            progress.set_postfix(loss=f"{last['loss']:.4g}", lr=f"{last['lr']:.2e}", refresh=False)
             window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
         if eval_ds is not None and t.eval_every and step % t.eval_every == 0 and step < total_steps:
             last["eval_loss"] = evaluate(model, eval_ds, accelerator, t.micro_batch_size, pad_id)
-            metrics_log.write(step, {"eval_loss": last["eval_loss"]}, say)
+            metrics_log.write(step, {"eval_loss": last["eval_loss"]}, log)
         if recipe.output.save_every and step % recipe.output.save_every == 0 and step < total_steps:
             saved = checkpoint.save_checkpoint(
                 accelerator, out, step, {"step": step, "total_steps": total_steps}
             )
-            say(f"checkpoint saved: {saved}")
+            log(f"checkpoint saved: {saved}")
+    progress.close()
 
     # --- 6. final evaluation and outputs
     if eval_ds is not None:
