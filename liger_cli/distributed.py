@@ -412,8 +412,3 @@ def _check_zero(model: nn.Module, recipe: Recipe, world: int) -> str:
     if not local <= -(-full // world) + world * len(params) or local >= full:
         raise DowngradeError(f"ZeRO-3 holds {local} of {full} parameters on this rank, not 1/{world}")
     return f"deepspeed ZeRO-3: {local} of {full} parameters on this rank (1/{world})"
-
-
-def world_env() -> tuple[int, int]:
-    """(rank, world size) as set by accelerate launch / torchrun, before any process group exists."""
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))

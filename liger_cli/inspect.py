@@ -114,24 +114,11 @@ def inspect_command(
 
 
 def _from_config(path: Path, trust_remote_code: bool, dtype: torch.dtype | None) -> nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from liger_cli.model import meta_model_from_config
 
     if path.is_dir() and not (path / "config.json").is_file():
         raise UserError(f"{path} has no config.json: {_SPEC_HELP}")
-    try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, KeyError) as err:
-        raise UserError(f"cannot read a model config from {path}: {_first_line(err)}") from None
-    if dtype is None:
-        dtype = config.dtype if isinstance(getattr(config, "dtype", None), torch.dtype) else torch.float32
-    try:
-        with torch.device("meta"), warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
-    except ValueError as err:
-        raise UserError(
-            f"{path}: not a causal language model transformers can build: {_first_line(err)}"
-        ) from None
+    return meta_model_from_config(path, trust_remote_code, dtype)
 
 
 def _from_factory(spec: str) -> nn.Module:
@@ -166,7 +153,9 @@ def _recipe_model(recipe_path: Path, model: str | None) -> tuple[dict, nn.Module
         if model is None:
             built = build_meta_model_for(recipe)
         else:  # MODEL replaces the recipe's model; the recipe's adapter still applies
-            built = add_adapter(build_meta_model(model, recipe.model.trust_remote_code), recipe)
+            built = add_adapter(
+                build_meta_model(model, recipe.model.trust_remote_code), recipe, low_cpu_mem_usage=True
+            )
     settings = {
         "backend": dist.backend,
         "num_processes": dist.num_processes * dist.num_machines,

@@ -9,7 +9,6 @@ instance. Loading passes every argument of `model.load_kwargs` to `from_pretrain
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 from pathlib import Path
 
@@ -20,13 +19,10 @@ from liger_cli.errors import UserError
 from liger_cli.plan import Plan
 from liger_cli.recipe import Recipe
 
-log = logging.getLogger("liger")
-
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def model_dtype(recipe: Recipe, plan: Plan | None) -> torch.dtype:
+def model_dtype(recipe: Recipe) -> torch.dtype:
     """Weights stay fp32 under mixed precision; an explicit model.dtype wins."""
     if recipe.model.dtype != "auto":
         return DTYPES[recipe.model.dtype]
@@ -48,14 +44,40 @@ def load_tokenizer(recipe: Recipe):
     return tokenizer
 
 
-def _config(recipe: Recipe):
+def read_config(source: Path, trust_remote_code: bool = False):
     from transformers import AutoConfig
 
-    source = recipe.model.path or recipe.model.config
     try:
-        return AutoConfig.from_pretrained(source, trust_remote_code=recipe.model.trust_remote_code)
+        return AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as err:
-        raise UserError(f"cannot read the model config at {source}: {err}") from None
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(f"cannot read a model config from {source}: {first}") from None
+
+
+def meta_model_from_config(
+    source: Path, trust_remote_code: bool = False, dtype: torch.dtype | None = None, attn_implementation=None
+) -> nn.Module:
+    """A causal LM from its config on the meta device: structure only, no weights read or allocated.
+
+    `dtype` None keeps the config's own dtype (what the checkpoint holds)."""
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+
+    config = read_config(source, trust_remote_code)
+    if dtype is None:
+        dtype = config.dtype if isinstance(getattr(config, "dtype", None), torch.dtype) else torch.float32
+    kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    try:
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            model = AutoModelForCausalLM.from_config(config, **kwargs)
+    except ValueError as err:
+        raise UserError(f"{source}: not a causal language model transformers can build: {err}") from None
+    model.config.use_cache = False
+    return model
 
 
 def load_base_model(recipe: Recipe, plan: Plan) -> nn.Module:
@@ -63,14 +85,14 @@ def load_base_model(recipe: Recipe, plan: Plan) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     m = recipe.model
-    kwargs = {"dtype": model_dtype(recipe, plan), "trust_remote_code": m.trust_remote_code}
+    kwargs = {"dtype": model_dtype(recipe), "trust_remote_code": m.trust_remote_code}
     if m.attn_implementation:
         kwargs["attn_implementation"] = m.attn_implementation
     if m.path is not None:
         model = AutoModelForCausalLM.from_pretrained(m.path, **kwargs, **m.load_kwargs)
     else:
         torch.manual_seed(recipe.training.seed)
-        model = AutoModelForCausalLM.from_config(_config(recipe), **kwargs)
+        model = AutoModelForCausalLM.from_config(read_config(m.config, m.trust_remote_code), **kwargs)
     model.config.use_cache = (
         False  # a cache during recompute grows and breaks checkpointing (field failure 3)
     )
@@ -138,15 +160,10 @@ def build_model(recipe: Recipe, plan: Plan) -> nn.Module:
 
 def build_meta_model_for(recipe: Recipe) -> nn.Module:
     """The recipe's model and adapter on the meta device: structure only, no weights read."""
-    from transformers import AutoModelForCausalLM
-
     m = recipe.model
-    kwargs = {"trust_remote_code": m.trust_remote_code, "dtype": model_dtype(recipe, None)}
-    if m.attn_implementation:
-        kwargs["attn_implementation"] = m.attn_implementation
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(_config(recipe), **kwargs)
-    model.config.use_cache = False
+    model = meta_model_from_config(
+        m.path or m.config, m.trust_remote_code, model_dtype(recipe), m.attn_implementation
+    )
     return add_adapter(model, recipe, low_cpu_mem_usage=True)
 
 
