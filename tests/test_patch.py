@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import copy
 
-import liger_kernels.patch as patch_module
+import liger_kernels.patch_loss
+import liger_kernels.patch_rms_norm
+import liger_kernels.patch_rope
+import liger_kernels.patch_swiglu
 import pytest
 import torch
 from liger_kernels import PatchReport, patch_model
@@ -42,16 +45,8 @@ FAMILIES = {
             "fused_linear_cross_entropy": "final_logit_softcapping=30.0",
         },
     ),
-    # Phi-3: fused gate_up_proj MLP, left alone.
-    "phi3": (
-        {},
-        {
-            "rms_norm": 5,
-            "rope": 2,
-            "swiglu": "Phi3MLP has no separate gate_proj/up_proj/down_proj",
-            "fused_linear_cross_entropy": 1,
-        },
-    ),
+    # Phi-3: a fused gate_up_proj MLP (gate and up halves of one Linear), proven equal on probes.
+    "phi3": ({}, {"rms_norm": 5, "rope": 2, "swiglu": 2, "fused_linear_cross_entropy": 1}),
 }
 
 
@@ -92,9 +87,11 @@ def batch(seed=0):
 
 
 def train_losses(model, steps=3, **extra):
-    """Losses of a few AdamW steps (fresh optimizer, fixed batches)."""
+    """Losses of a few SGD steps (fixed batches). SGD, not Adam: Adam's m / sqrt(v) turns a 1e-9
+    difference in a near-zero gradient into a full-size update, so weights after Adam steps compare
+    rounding noise, not the math."""
     model.train()
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     losses = []
     for step in range(steps):
         loss = model(**batch(step), **extra).loss
@@ -153,14 +150,21 @@ def test_report_lines_read_well(tmp_path):
 def counting(monkeypatch):
     """Count calls of each kernel entry point the patched forwards use."""
     calls = {}
-    for name in ("_rms_norm", "apply_rope", "_swiglu", "_flce", "_cross_entropy"):
-        original = getattr(patch_module, name)
+    entry_points = {
+        "_rms_norm": (liger_kernels.patch_rms_norm, "rms_norm"),
+        "apply_rope": (liger_kernels.patch_rope, "apply_rope"),
+        "_swiglu": (liger_kernels.patch_swiglu, "swiglu"),
+        "_flce": (liger_kernels.patch_loss, "fused_linear_cross_entropy"),
+        "_cross_entropy": (liger_kernels.patch_loss, "cross_entropy"),
+    }
+    for key, (module, name) in entry_points.items():
+        original = getattr(module, name)
 
-        def wrapper(*args, _name=name, _original=original, **kwargs):
-            calls[_name] = calls.get(_name, 0) + 1
+        def wrapper(*args, _key=key, _original=original, **kwargs):
+            calls[_key] = calls.get(_key, 0) + 1
             return _original(*args, **kwargs)
 
-        monkeypatch.setattr(patch_module, name, wrapper)
+        monkeypatch.setattr(module, name, wrapper)
     return calls
 
 
@@ -171,6 +175,7 @@ def test_patched_and_unpatched_models_coexist(tmp_path, monkeypatch):
     before = plain(**batch()).loss
     other = copy.deepcopy(plain)
     patch_model(other)
+    calls.clear()  # patching probes our kernels on stand-ins; count only what the models run
 
     after = plain(**batch()).loss
     assert calls == {}  # the unpatched model never reaches our kernels...

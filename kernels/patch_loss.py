@@ -1,0 +1,328 @@
+"""The loss kernels in a causal LM: cross-entropy, and fused linear cross-entropy inside the model's own
+forward.
+
+Fused linear cross-entropy (FLCE) never builds the `[tokens, vocab]` logits. It does not replace the
+causal-LM forward with a copy of our own: the model's own forward runs, so everything it does between
+the decoder and the loss (a hidden-state multiplier, slicing, a router auxiliary loss added after the
+loss) happens exactly as written. Only two calls are intercepted while training with labels:
+
+- `self.lm_head(h)` returns `DeferredLogits(h)`, a stand-in that holds the head's input instead of
+  logits, and allows nothing but being passed on (and reading its shape, or `.float()`);
+- `self.loss_function(logits, labels, ...)`, given that stand-in, computes our fused loss from `h` and
+  `lm_head.weight`: the same math as transformers' `ForCausalLMLoss`, labels shifted the same way.
+
+A forward that does anything else with the logits (soft-capping, scaling, its own loss) touches the
+stand-in, which raises: such a model is found at patch time by a probe (a stub decoder, no weights
+used) and left unpatched with the reason; at run time the same guard makes it an error, never a silent
+change of the loss. The loss runs inside the causal-LM module's forward, where FSDP has gathered
+`lm_head.weight`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+
+import torch
+from torch import nn
+
+from .cross_entropy import cross_entropy
+from .fused_linear_cross_entropy import fused_linear_cross_entropy
+
+# Config attributes of logit transforms the fused loss cannot express: named in the reason when set
+# (the probe below finds every other transform; a plain scale by a number is reproduced exactly).
+LOGIT_TRANSFORMS = ("final_logit_softcapping",)
+
+
+class LogitsTransformed(TypeError):
+    """The model's forward used the logits for more than handing them to its loss function."""
+
+
+class DeferredLogits:
+    """What `lm_head` returns during a fused forward: its input, not `[tokens, vocab]` logits.
+
+    Multiplying or dividing the logits by a number is allowed and exact: `(h @ W.T) * s` is
+    `(h * s) @ W.T`, so the factor moves onto the hidden state (a head with a bias refuses it).
+    """
+
+    def __init__(self, hidden: torch.Tensor, lm_head: nn.Module):
+        self.hidden = hidden
+        self.lm_head = lm_head
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((*self.hidden.shape[:-1], self.lm_head.out_features))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.hidden.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.hidden.device
+
+    def size(self, dim: int | None = None):
+        return self.shape if dim is None else self.shape[dim]
+
+    def float(self) -> DeferredLogits:
+        return self  # the fused loss computes in fp32 anyway
+
+    def _scaled(self, factor) -> DeferredLogits:
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or self.lm_head.bias is not None:
+            raise LogitsTransformed(f"the forward combines the logits with {type(factor).__name__}")
+        return DeferredLogits(self.hidden * factor, self.lm_head)
+
+    def __mul__(self, factor):
+        return self._scaled(factor)
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, divisor):
+        if isinstance(divisor, (int, float)) and not isinstance(divisor, bool) and divisor != 0:
+            return self._scaled(1.0 / divisor)
+        raise LogitsTransformed(f"the forward divides the logits by {type(divisor).__name__}")
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise LogitsTransformed(f"the forward uses logits.{name} before its loss")
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        raise LogitsTransformed(f"the forward applies {getattr(func, '__name__', func)} to the logits")
+
+    def _refuse(self, *args):
+        raise LogitsTransformed("the forward does arithmetic on or indexes the logits before its loss")
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __rtruediv__ = __pow__ = __neg__ = __getitem__ = _refuse
+
+
+def _shifted_labels(labels, shift_labels, ignore_index):
+    """transformers' ForCausalLMLoss shift: token t predicts label t+1; the last position is ignored."""
+    if shift_labels is not None:
+        return shift_labels
+    return nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
+def _divide_by_items(loss, num_items_in_batch):
+    if num_items_in_batch is None:
+        return loss
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
+def causal_lm_cross_entropy(
+    logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kwargs
+):
+    """transformers' ForCausalLMLoss with our cross-entropy kernel (same signature, same numbers)."""
+    targets = _shifted_labels(labels, shift_labels, ignore_index).reshape(-1).to(logits.device)
+    reduction = "mean" if num_items_in_batch is None else "sum"
+    loss = cross_entropy(logits.reshape(-1, vocab_size), targets, ignore_index, reduction)
+    return _divide_by_items(loss, num_items_in_batch)
+
+
+def _loss_function_refusal(causal_lm: nn.Module) -> str | None:
+    """Why the model's loss is not transformers' ForCausalLMLoss (the math our losses reproduce)."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    name = type(causal_lm).__name__
+    forward = getattr(inspect.unwrap(type(causal_lm).forward), "__code__", None)
+    if forward is None or "loss_function" not in forward.co_names:
+        return f"{name}.forward does not compute its loss through loss_function"
+    current = causal_lm.loss_function
+    if current not in (ForCausalLMLoss, causal_lm_cross_entropy):
+        return f"{name}'s loss_function is {getattr(current, '__name__', current)}, not ForCausalLMLoss"
+    return None
+
+
+def patch_cross_entropy(causal_lm: nn.Module):
+    """True, or the reason the model's loss is not ForCausalLMLoss."""
+    refusal = _loss_function_refusal(causal_lm)
+    if refusal:
+        return refusal
+    causal_lm.loss_function = causal_lm_cross_entropy  # an instance attribute (transformers' setter)
+    return True
+
+
+# --- fused linear cross-entropy ------------------------------------------------------------------
+
+
+def lm_head_refusal(lm_head: nn.Module) -> str | None:
+    """Why the fused loss cannot read this lm_head's weight as the whole head, or None."""
+    # A plain Linear, or one whose class FSDP-2's fully_shard swapped for a subclass (FSDPLinear).
+    if isinstance(lm_head, nn.Linear) and not hasattr(lm_head, "base_layer"):
+        return None
+    if hasattr(lm_head, "base_layer"):
+        return (
+            f"lm_head carries an adapter ({type(lm_head).__module__}.{type(lm_head).__name__}); the fused loss "
+            "reads lm_head.weight directly and would train without the adapter's gradient"
+        )
+    return f"lm_head is a {type(lm_head).__name__}, not a plain nn.Linear"
+
+
+class _Intercepted:
+    """Inside this context, `causal_lm.lm_head(h)` defers its logits and `loss_function` fuses the loss.
+
+    The interceptor sits in the instance's `__dict__`, which attribute lookup reads before
+    `nn.Module.__getattr__`: the module tree, state dict and FSDP wrapping never see it.
+    """
+
+    def __init__(self, causal_lm: nn.Module, loss=None):
+        self.causal_lm = causal_lm
+        self.loss = loss or _fused_loss(causal_lm.loss_function)
+
+    def __enter__(self):
+        lm_head = self.causal_lm._modules["lm_head"]
+        refusal = lm_head_refusal(lm_head)  # an adapter added after patching must not be dropped
+        if refusal:
+            raise ValueError(
+                f"fused linear cross-entropy: {refusal}. Patch without fused_linear_cross_entropy."
+            )
+        self.saved = self.causal_lm.__dict__.get("_loss_function", None)
+        self.causal_lm.__dict__["lm_head"] = lambda hidden, *args, **kwargs: DeferredLogits(hidden, lm_head)
+        self.causal_lm.__dict__["_loss_function"] = self.loss
+        return self
+
+    def __exit__(self, *exc):
+        del self.causal_lm.__dict__["lm_head"]
+        if self.saved is None:
+            del self.causal_lm.__dict__["_loss_function"]
+        else:
+            self.causal_lm.__dict__["_loss_function"] = self.saved
+
+
+def _fused_loss(original_loss):
+    """A loss_function that fuses when handed DeferredLogits and otherwise is the original one."""
+
+    def loss_function(
+        logits,
+        labels,
+        vocab_size=None,
+        num_items_in_batch=None,
+        ignore_index=-100,
+        shift_labels=None,
+        **kwargs,
+    ):
+        if not isinstance(logits, DeferredLogits):
+            return original_loss(
+                logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs
+            )
+        hidden, head = logits.hidden, logits.lm_head
+        targets = _shifted_labels(labels, shift_labels, ignore_index).to(hidden.device)
+        if targets.numel() != hidden.shape[:-1].numel():
+            raise ValueError(
+                f"fused linear cross-entropy: {tuple(hidden.shape[:-1])} positions reach lm_head but the "
+                f"labels have {tuple(targets.shape)}; train with logits_to_keep=0"
+            )
+        reduction = "mean" if num_items_in_batch is None else "sum"
+        loss = fused_linear_cross_entropy(
+            hidden.reshape(-1, hidden.shape[-1]),
+            head.weight,
+            targets.reshape(-1),
+            head.bias,
+            ignore_index,
+            reduction,
+        )
+        return _divide_by_items(loss, num_items_in_batch)
+
+    return loss_function
+
+
+def _head_refusal(causal_lm: nn.Module) -> str | None:
+    """Why the model's forward cannot take the fused loss, or None.
+
+    After the cheap checks, a probe runs the class forward with the decoder replaced by a stub that
+    returns a small hidden state (on the head's device: meta works) and with lm_head and
+    loss_function intercepted: it must hand lm_head's deferred output straight to loss_function.
+    """
+    name = type(causal_lm).__name__
+    decoder_name = getattr(causal_lm, "base_model_prefix", "")
+    decoder = getattr(causal_lm, decoder_name, None) if decoder_name else None
+    lm_head = causal_lm._modules.get("lm_head")
+    if lm_head is None or not isinstance(decoder, nn.Module) or decoder is causal_lm:
+        return f"{name} is not a causal LM with a decoder and an lm_head"
+    refusal = _loss_function_refusal(causal_lm)
+    if refusal:
+        return refusal
+    config = getattr(causal_lm, "config", None)
+    for attribute in LOGIT_TRANSFORMS:
+        value = getattr(config, attribute, None)
+        if value is not None:
+            return (
+                f"{name} transforms its logits ({attribute}={value}), which the fused loss does not reproduce"
+            )
+    refusal = lm_head_refusal(lm_head)
+    if refusal:
+        return refusal
+    return _probe_head(causal_lm, decoder_name, lm_head)
+
+
+class _StubOutput(dict):
+    """A decoder output holding only `last_hidden_state`; every other field reads as None."""
+
+    def __getattr__(self, name):
+        return self.get(name)
+
+    def __getitem__(self, key):
+        return self["last_hidden_state"] if key == 0 else dict.get(self, key)
+
+    def to_tuple(self):
+        return (self["last_hidden_state"],)
+
+
+def _probe_head(causal_lm: nn.Module, decoder_name: str, lm_head: nn.Module) -> str | None:
+    name = type(causal_lm).__name__
+    weight = lm_head.weight
+    hidden = torch.zeros(1, 4, lm_head.in_features, device=weight.device, dtype=weight.dtype)
+    calls = []
+
+    def recorder(logits, labels, *args, **kwargs):
+        calls.append(isinstance(logits, DeferredLogits))
+        return hidden.sum() * 0.0  # a scalar on the right device for whatever the forward adds to it
+
+    def stub_decoder(*args, **kwargs):
+        return _StubOutput(last_hidden_state=hidden)
+
+    ids = torch.zeros(1, 4, dtype=torch.long, device=weight.device)
+    kwargs = {"input_ids": ids, "labels": ids}
+    if "output_router_logits" in inspect.signature(type(causal_lm).forward).parameters:
+        kwargs["output_router_logits"] = False  # the stub has no router; the real forward keeps its own
+    training = causal_lm.training
+    causal_lm.__dict__[decoder_name] = stub_decoder
+    try:
+        causal_lm.train(True)
+        with _Intercepted(causal_lm, loss=recorder), torch.no_grad(), torch.random.fork_rng(devices=[]):
+            type(causal_lm).forward(causal_lm, **kwargs)
+    except LogitsTransformed as err:
+        return f"{name} does more with its logits than the loss ({err}): the fused loss would drop it"
+    except Exception as err:
+        first = str(err).strip().splitlines()[0][:120] if str(err).strip() else type(err).__name__
+        return f"{name}.forward could not be probed with a stub decoder ({type(err).__name__}: {first})"
+    finally:
+        del causal_lm.__dict__[decoder_name]
+        causal_lm.train(training)
+    if calls != [True]:
+        return f"{name}.forward does not hand lm_head's output straight to loss_function"
+    return None
+
+
+def patch_fused_linear_cross_entropy(causal_lm: nn.Module):
+    """True, or the reason the fused loss cannot reproduce this model's loss."""
+    refusal = _head_refusal(causal_lm)
+    if refusal:
+        return refusal
+
+    def forward(self, *args, **kwargs):
+        if not (self.training and kwargs.get("labels") is not None):
+            return type(self).forward(self, *args, **kwargs)  # eval and generation get real logits
+        with _Intercepted(self):
+            output = type(self).forward(self, *args, **kwargs)
+        if isinstance(output, tuple):
+            return type(output)(None if isinstance(v, DeferredLogits) else v for v in output)
+        if isinstance(getattr(output, "logits", None), DeferredLogits):
+            output.logits = None  # never let the stand-in escape
+        return output
+
+    causal_lm.forward = types.MethodType(forward, causal_lm)
+    return True
