@@ -161,6 +161,21 @@ def lm_head_refusal(lm_head: nn.Module) -> str | None:
     return f"lm_head is a {type(lm_head).__name__}, not a plain nn.Linear"
 
 
+class _DeferringHead:
+    """Stands in for lm_head during a fused forward: called, it defers; read, it is lm_head."""
+
+    def __init__(self, lm_head: nn.Module):
+        self.lm_head = lm_head
+
+    def __call__(self, hidden: torch.Tensor, *args, **kwargs) -> DeferredLogits:
+        if args or kwargs:
+            raise LogitsTransformed("the forward calls lm_head with more than the hidden states")
+        return DeferredLogits(hidden, self.lm_head)
+
+    def __getattr__(self, name: str):
+        return getattr(self.lm_head, name)
+
+
 class _Intercepted:
     """Inside this context, `causal_lm.lm_head(h)` defers its logits and `loss_function` fuses the loss.
 
@@ -180,7 +195,7 @@ class _Intercepted:
                 f"fused linear cross-entropy: {refusal}. Patch without fused_linear_cross_entropy."
             )
         self.saved = self.causal_lm.__dict__.get("_loss_function", None)
-        self.causal_lm.__dict__["lm_head"] = lambda hidden, *args, **kwargs: DeferredLogits(hidden, lm_head)
+        self.causal_lm.__dict__["lm_head"] = _DeferringHead(lm_head)
         self.causal_lm.__dict__["_loss_function"] = self.loss
         return self
 
@@ -281,8 +296,17 @@ def _probe_head(causal_lm: nn.Module, decoder_name: str, lm_head: nn.Module) -> 
         calls.append(isinstance(logits, DeferredLogits))
         return hidden.sum() * 0.0  # a scalar on the right device for whatever the forward adds to it
 
-    def stub_decoder(*args, **kwargs):
-        return _StubOutput(last_hidden_state=hidden)
+    class StubDecoder:
+        """Called, returns the stub output; any attribute (a multiplier, a config) is the decoder's."""
+
+        def __call__(self, *args, **kwargs):
+            return _StubOutput(last_hidden_state=hidden)
+
+        def __getattr__(self, name):
+            return getattr(decoder, name)
+
+    decoder = getattr(causal_lm, decoder_name)
+    stub_decoder = StubDecoder()
 
     ids = torch.zeros(1, 4, dtype=torch.long, device=weight.device)
     kwargs = {"input_ids": ids, "labels": ids}

@@ -26,8 +26,8 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   "${PIP[@]}" install "$spec"
 fi
 
-echo "setup: installing liger (editable) with test and bench extras"
-"${PIP[@]}" install -e ".[test,bench]"
+echo "setup: installing liger (editable) with test and bench extras, at the versions in constraints.txt"
+"${PIP[@]}" install -c constraints.txt -e ".[test,bench]"
 
 # DeepSpeed (the `deepspeed` backend), built without compiled ops: liger skips the one op a CPU run
 # would JIT-compile. No build isolation, or the build would fetch a CUDA torch of its own.

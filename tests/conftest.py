@@ -49,3 +49,50 @@ def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0, **over
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A 2-layer Llama (hidden 32) with the quickstart tokenizer, on disk."""
     return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+REMOTE_CODE = Path(__file__).resolve().parent / "fixtures" / "scaled_llama"
+
+
+def save_remote_code_model(path: Path, seed: int = 0, **overrides) -> Path:
+    """A tiny remote-code model (tests/fixtures/scaled_llama: Llama with an MLP multiplier and a logit
+    multiplier) with the quickstart tokenizer, saved as a Hub repo would hold it: code + auto_map."""
+    import json
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path.mkdir(parents=True, exist_ok=True)
+    for source in REMOTE_CODE.glob("*.py"):
+        shutil.copy(source, path / source.name)
+    tokenizer = AutoTokenizer.from_pretrained(QUICKSTART_MODEL)
+    settings = dict(
+        model_type="scaled_llama",
+        architectures=["ScaledLlamaForCausalLM"],
+        auto_map={
+            "AutoConfig": "configuration_scaled_llama.ScaledLlamaConfig",
+            "AutoModelForCausalLM": "modeling_scaled_llama.ScaledLlamaForCausalLM",
+        },
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        mlp_multiplier=0.5,
+        logit_multiplier=2.0,
+    )
+    settings.update(overrides)
+    (path / "config.json").write_text(json.dumps(settings))
+    config = AutoConfig.from_pretrained(path, trust_remote_code=True)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, trust_remote_code=True)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path

@@ -1,0 +1,168 @@
+"""The kernel check on a tiny twin: a kernel that changes the loss or any gradient is switched off, and
+the check says which and why. Also: what patch_model proves by probes on models whose own code does
+more than the standard math (a remote-code model with multipliers, MoE router losses)."""
+
+from __future__ import annotations
+
+import copy
+
+import liger_kernels.patch_loss
+import liger_kernels.patch_swiglu
+import pytest
+import torch
+from conftest import save_remote_code_model
+from liger_kernels import patch_model
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from liger_cli.kernel_check import check_kernels, compare_kernels, disagreement, train_step
+from liger_cli.tiny import tiny_batch, tiny_causal_lm
+
+ALL_ON = dict(rms_norm=True, rope=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True)
+
+
+def test_agreeing_kernels_stay_on():
+    check = check_kernels(AutoConfig.for_model("llama"), ALL_ON)
+    assert check.switched_off == {} and check.not_run is None
+    assert check.kernels == ALL_ON
+    assert check.lines() == [
+        f"kernel check: one step on a tiny twin, patched vs unpatched ({check.seconds:.1f} s): "
+        "loss and every gradient agree"
+    ]
+    assert "swiglu: patched 2 modules (LlamaMLP)" in check.twin_report
+
+
+def test_a_kernel_that_changes_the_math_is_switched_off(monkeypatch):
+    # A SwiGLU kernel 0.1% off. patch_model's probes use the kernel too and would refuse it, so the
+    # fault starts only once patching is done: the check must catch it on the twin's gradients and
+    # switch off that kernel alone.
+    import liger_kernels
+
+    real_swiglu, real_patch_model = liger_kernels.patch_swiglu.swiglu, liger_kernels.patch_model
+    faulty = {"on": False}
+
+    def swiglu(gate, up):
+        return real_swiglu(gate, up) * (1.001 if faulty["on"] else 1.0)
+
+    def patch_model(model, **kernels):
+        faulty["on"] = False
+        report = real_patch_model(model, **kernels)
+        faulty["on"] = True
+        return report
+
+    monkeypatch.setattr(liger_kernels.patch_swiglu, "swiglu", swiglu)
+    monkeypatch.setattr(liger_kernels, "patch_model", patch_model)
+    check = check_kernels(AutoConfig.for_model("llama"), ALL_ON)
+    assert set(check.switched_off) == {"swiglu"}, check.switched_off
+    assert "differs" in check.switched_off["swiglu"]
+    assert check.kernels == {**ALL_ON, "swiglu": False}
+    assert check.lines()[0].endswith("switched off swiglu")
+    assert check.lines()[1].startswith("  swiglu off: ")
+
+
+def _fused_loss_without_router_loss(causal_lm):
+    """The fused forward as it was: decoder, then the fused loss; anything else the forward adds is lost."""
+    import types
+
+    from liger_kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    def forward(self, *args, labels=None, **kwargs):
+        if not (self.training and labels is not None):
+            return type(self).forward(self, *args, labels=labels, **kwargs)
+        kwargs.pop("output_router_logits", None)
+        hidden = self.model(*args, **kwargs).last_hidden_state
+        targets = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+        loss = fused_linear_cross_entropy(
+            hidden.reshape(-1, hidden.shape[-1]), self.lm_head.weight, targets.reshape(-1)
+        )
+        return CausalLMOutputWithPast(loss=loss)
+
+    causal_lm.forward = types.MethodType(forward, causal_lm)
+    return True
+
+
+def test_check_catches_a_fused_loss_that_drops_the_router_loss(monkeypatch):
+    import liger_kernels.patch as patch
+
+    config = AutoConfig.for_model("mixtral")
+    assert check_kernels(config, ALL_ON).switched_off == {}  # ours keeps the router loss
+    monkeypatch.setattr(patch, "patch_fused_linear_cross_entropy", _fused_loss_without_router_loss)
+    check = check_kernels(config, ALL_ON)
+    assert set(check.switched_off) == {"fused_linear_cross_entropy"}, check.switched_off
+    assert check.kernels["fused_linear_cross_entropy"] is False and check.kernels["swiglu"] is True
+
+
+def test_moe_fused_loss_keeps_the_router_loss_and_experts_take_swiglu():
+    config = AutoConfig.for_model("qwen3_moe", output_router_logits=True, router_aux_loss_coef=0.5)
+    model = tiny_causal_lm(config)
+    batch = tiny_batch(model)
+    reference = train_step(model, batch)
+    patched = copy.deepcopy(model)
+    report = patch_model(patched)
+    assert "Qwen3MoeExperts" in report.classes["swiglu"], str(report)
+    assert report.patched["fused_linear_cross_entropy"] == 1
+    assert disagreement(train_step(patched, batch), reference) is None
+    # The router loss is really in there: without it the loss is different.
+    model.config.output_router_logits = False
+    assert disagreement(train_step(model, batch), reference) is not None
+
+
+def test_a_twin_that_cannot_be_built_leaves_the_kernels_as_requested(monkeypatch):
+    import liger_cli.tiny
+
+    def no_twin(*args, **kwargs):
+        raise liger_cli.tiny.TinyModelError("LlamaConfig: the shrunk model still has 9,999,999 parameters")
+
+    monkeypatch.setattr(liger_cli.tiny, "tiny_causal_lm", no_twin)
+    check = check_kernels(AutoConfig.for_model("llama"), ALL_ON)
+    assert check.not_run and "9,999,999 parameters" in check.not_run
+    assert check.kernels == ALL_ON and check.lines()[0].startswith("kernel check: not run (no tiny twin")
+
+
+@pytest.fixture(scope="module")
+def remote_model_dir(tmp_path_factory):
+    return save_remote_code_model(tmp_path_factory.mktemp("remote") / "scaled-llama")
+
+
+def test_remote_code_model_with_multipliers_patches_only_what_is_proven(remote_model_dir):
+    def load():
+        return AutoModelForCausalLM.from_pretrained(
+            remote_model_dir, trust_remote_code=True, dtype=torch.float32
+        )
+
+    model = load()
+    assert type(model).__name__ == "ScaledLlamaForCausalLM"
+    batch = tiny_batch(model)
+    wrong, crashed, report = compare_kernels(load, batch, ALL_ON)
+    assert wrong == {} and crashed == {}
+    # The MLP halves its output: left alone, with the reason. The logit multiplier is a plain number,
+    # which the fused loss moves onto the hidden state: patched, and exact (compared above).
+    assert report[2].startswith(
+        "swiglu: not patched: ScaledLlamaMLP.forward is not down(silu(gate(x)) * up(x))"
+    )
+    assert report[4] == "fused_linear_cross_entropy: patched 1 module (ScaledLlamaForCausalLM)"
+    check = check_kernels(model.config, ALL_ON, trust_remote_code=True)
+    assert check.switched_off == {} and check.not_run is None
+
+
+def test_a_logit_transform_the_fused_loss_cannot_express_is_left_alone(remote_model_dir):
+    # A learned logit scale (a tensor, not a number) must not be moved into the fused loss.
+    model = AutoModelForCausalLM.from_pretrained(
+        remote_model_dir, trust_remote_code=True, dtype=torch.float32
+    )
+    model.config.logit_multiplier = torch.tensor(2.0)
+    report = patch_model(copy.deepcopy(model))
+    assert "fused_linear_cross_entropy" not in report.patched
+    assert "does more with its logits than the loss" in report.skipped["fused_linear_cross_entropy"]
+
+
+def test_fused_forward_refuses_at_run_time_what_it_cannot_reproduce(remote_model_dir):
+    # Patched while the multiplier was a number, changed to a tensor afterwards: an error, not a wrong loss.
+    model = AutoModelForCausalLM.from_pretrained(
+        remote_model_dir, trust_remote_code=True, dtype=torch.float32
+    )
+    patch_model(model)
+    model.config.logit_multiplier = torch.tensor(2.0)
+    model.train()
+    with pytest.raises(liger_kernels.patch_loss.LogitsTransformed):
+        model(**tiny_batch(model))
