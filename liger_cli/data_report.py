@@ -82,7 +82,7 @@ def report_text(name: str, split: Split) -> str:
         else f"packing: off (packing: true would fill {rows:,} rows of {split.max_seq_len} at {efficiency:.1%})"
     )
     lines = [
-        f"{name}: {split.path}",
+        f"{name}: {_shown(split.path)}",
         f"  examples: {split.rows:,} rows, {len(ex):,} kept, {split.truncated:,} truncated, {dropped:,} dropped{why}",
         f"  tokens: {n_tokens:,}, learned {n_learned:,} ({n_learned / max(n_tokens, 1):.1%})",
         f"  {packing}",
@@ -159,6 +159,14 @@ def write_jsonl(path: Path, splits) -> int:
                 f.write(json.dumps(record) + "\n")
                 n += 1
     return n
+
+
+def _shown(path: Path) -> Path:
+    """The path relative to the working directory when it is below it (shorter, as the user typed it)."""
+    try:
+        return path.relative_to(Path.cwd())
+    except ValueError:
+        return path
 
 
 def _row(w) -> str:
