@@ -46,7 +46,7 @@ def data_command(recipe_path: Path, overrides: list[str], show: int = 0, jsonl: 
         f"data: {recipe_path} (format {d.format}, max_seq_len {d.max_seq_len}, "
         f"packing {'on' if d.packing else 'off'}"
         + (
-            f", learn_turns {d.learn_turns}, learn_reasoning {d.learn_reasoning}"
+            f", learn_turns {d.learn_turns}, learn_reasoning {str(d.learn_reasoning).lower()}"
             if d.format == "chat"
             else ""
         )
@@ -110,7 +110,7 @@ def show_examples(console, split: Split, tokenizer, n: int) -> None:
     """Each example's tokens, the learned ones highlighted (or between [[ ]] without colour)."""
     from rich.text import Text
 
-    plain = console.color_system is None
+    plain = console.color_system is None or console.no_color
     special = set(getattr(tokenizer, "all_special_ids", [])) | {
         i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special
     }

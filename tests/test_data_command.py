@@ -115,3 +115,27 @@ def test_bad_data_exits_2_and_writes_nothing(tmp_path):
         in (result.output)
     )
     assert not out.exists()
+
+
+def test_show_on_a_terminal_highlights_instead_of_marking(tmp_path):
+    from io import StringIO
+
+    from rich.console import Console
+
+    from liger_cli.data import prepare_data
+    from liger_cli.data_report import show_examples
+    from liger_cli.model import load_tokenizer
+
+    recipe = load_recipe(RECIPES / "chat.yaml")
+    tok = load_tokenizer(recipe)
+    train, _ = prepare_data(recipe.data, tok, recipe.training.seed)
+    outputs = {}
+    for name, options in {"colour": {}, "no_color": {"no_color": True}}.items():
+        buffer = StringIO()
+        show_examples(
+            Console(file=buffer, force_terminal=True, color_system="standard", **options), train, tok, 1
+        )
+        outputs[name] = buffer.getvalue()
+    assert "[[" not in outputs["colour"] and "\x1b[" in outputs["colour"]
+    assert re.search(r"\x1b\[[0-9;]*42m\s*twelve", outputs["colour"])  # learned: green background
+    assert "[[twelve</s>\n]]" in outputs["no_color"] and "\x1b[4" not in outputs["no_color"]
