@@ -32,7 +32,11 @@ def conversations(n: int) -> list[dict]:
             number = 100 + 7 * k + j
             messages.append({"role": "user", "content": f"What is {number} in words?"})
             messages.append(
-                {"role": "assistant", "reasoning_content": f"{number} has three digits.", "content": f"n{number}"}
+                {
+                    "role": "assistant",
+                    "reasoning_content": f"{number} has three digits.",
+                    "content": f"n{number}",
+                }
             )
         rows.append({"messages": messages})
     return rows

@@ -59,18 +59,18 @@ def encode_chat(row: dict, tokenizer, learn_turns: str = "all", learn_reasoning:
         if not learn_reasoning:
             for t in inside:
                 learned[t] = False
-        elif owner is not None and not block.group(1).strip() and any(learned[t] for t in inside):
+        elif inside and not block.group(1).strip() and any(learned[t] for t in inside):
             warnings.append(
                 (
                     "EMPTY_REASONING_LEARNED",
-                    f"messages[{owner}]",
+                    _field(owner),
                     "an empty <think></think> block is learned, so the model learns to skip reasoning; "
                     "set data.learn_reasoning: false, or add the reasoning to the data",
                 )
             )
     warnings += _learned_non_assistant(messages, full, offsets, learned, turns)
     labels = [i if keep else IGNORE_INDEX for i, keep in zip(ids, learned, strict=True)]
-    learned_turns = [(f"messages[{i}]", first, end) for i, first, end in turns if any(learned[first:end])]
+    learned_turns = [(_field(i), first, end) for i, first, end in turns if any(learned[first:end])]
     warnings += _missing_turn_ends(tokenizer, ids, labels, learned_turns)
     return Encoded(ids, labels, learned_turns, warnings)
 
@@ -206,6 +206,10 @@ def _missing_turn_ends(tokenizer, ids, labels, turns) -> list[tuple[str, str, st
                 )
             )
     return warnings
+
+
+def _field(message_index: int | None) -> str:
+    return "messages" if message_index is None else f"messages[{message_index}]"
 
 
 def _common_suffix(a: str, b: str) -> int:
