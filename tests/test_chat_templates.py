@@ -294,12 +294,15 @@ def test_generation_markers_that_miss_the_end_or_cover_the_user_are_warnings(tmp
         "{% generation %}{{- m.content + '<|im_end|>\\n' -}}{% endgeneration %}",
         "{% generation %}{{- m.content -}}{% endgeneration %}{{- '<|im_end|>\\n' -}}",
     )
-    train = encode_rows(tmp_path, tok, [{"messages": TWO_TURNS}])
+    empty = [TWO_TURNS[1], {"role": "assistant", "content": ""}]
+    train = encode_rows(tmp_path, tok, [{"messages": TWO_TURNS}, {"messages": empty}])
     assert runs_of(tok, train) == ["Paris.", "Berlin."]
-    assert [(w.code, w.field) for w in train.warnings] == [
-        ("EOT_NOT_LEARNED", "messages[2]"),
-        ("EOT_NOT_LEARNED", "messages[4]"),
+    assert [(w.code, w.row, w.field) for w in train.warnings] == [
+        ("EOT_NOT_LEARNED", 0, "messages[2]"),
+        ("EOT_NOT_LEARNED", 0, "messages[4]"),
+        ("NOTHING_LEARNED", 1, "messages"),
     ]
+    assert len(train.examples) == 1 and train.dropped == {"nothing learned": 1}
     tok.chat_template = "{% generation %}" + MARKED + "{% endgeneration %}"
     train = encode_rows(tmp_path, tok, [{"messages": TWO_TURNS}])
     assert {(w.code, w.field) for w in train.warnings} >= {

@@ -69,6 +69,12 @@ def test_warnings_name_code_file_row_and_field(tmp_path):
                 {"role": "assistant", "content": "two two two two two two two two two two"},
             ]
         },
+        {
+            "messages": [
+                {"role": "user", "content": "3 3 3 3 3 3 3 3 3 3"},
+                {"role": "assistant", "content": "x"},
+            ]
+        },
     ]
     data = tmp_path / "chat.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -79,7 +85,8 @@ def test_warnings_name_code_file_row_and_field(tmp_path):
     )
     result = run(str(recipe))
     assert result.exit_code == 0, result.output
-    assert "examples: 2 rows, 2 kept, 1 truncated, 0 dropped" in result.output
+    assert "examples: 3 rows, 2 kept, 1 truncated, 1 dropped" in result.output
+    assert "dropped, every learned token is past max_seq_len: 1" in result.output
     assert "TRUNCATED_EVERY_ANSWER: 1 example(s)" in result.output
     assert "chat.jsonl row 2, messages: truncation at max_seq_len=12 cuts every answer" in result.output
 
