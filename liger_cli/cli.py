@@ -69,6 +69,27 @@ def train(
     raise typer.Exit(launch(loaded, recipe_path=recipe, overrides=set_ or []))
 
 
+@app.command()
+@_user_errors
+def data(
+    recipe: Annotated[Path, typer.Argument(help="The YAML recipe whose data section to check.")],
+    set_: SetOption = None,
+    show: Annotated[
+        int, typer.Option(help="Print the first N train examples, learned tokens highlighted.")
+    ] = 0,
+    jsonl: Annotated[
+        Path | None,
+        typer.Option(help="Write every example as training receives it before packing (input_ids, labels)."),
+    ] = None,
+) -> None:
+    """Tokenize the recipe's data exactly as train does; report counts, tokens, what is learned, warnings."""
+    if show < 0:
+        raise UserError(f"--show {show}: must be 0 or more")
+    from liger_cli.data_report import data_command
+
+    raise typer.Exit(data_command(recipe, set_ or [], show=show, jsonl=jsonl))
+
+
 @app.command("inspect-wrap")
 @_user_errors
 def inspect_wrap(

@@ -114,11 +114,20 @@ class DataSection(_Section):
     format: Literal["text", "instruction", "chat"] = "text"
     max_seq_len: int = Field(1024, ge=8)
     packing: bool = False
+    learn_turns: Literal["all", "last"] = "all"
+    """chat: learn every assistant turn, or only the last one (earlier turns become context)."""
+    learn_reasoning: bool = True
+    """chat: learn the <think>...</think> blocks of assistant turns, or mask them out of the loss."""
 
     @model_validator(mode="after")
     def _one_eval(self) -> DataSection:
         if self.eval is not None and self.eval_fraction is not None:
             raise ValueError("set at most one of data.eval and data.eval_fraction")
+        if self.format != "chat" and (self.learn_turns != "all" or not self.learn_reasoning):
+            raise ValueError(
+                "data.learn_turns and data.learn_reasoning apply to format: chat only; remove them or "
+                "set data.format: chat"
+            )
         return self
 
 

@@ -12,8 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from liger_cli import data
-from liger_cli.data import IGNORE_INDEX, build_datasets, collate, pack_examples, render_instruction_prompt
+from liger_cli import encode
+from liger_cli.data import build_datasets, prepare_data
+from liger_cli.encode import IGNORE_INDEX, collate, pack_examples, render_instruction_prompt
 from liger_cli.errors import UserError
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "recipes" / "quickstart"
@@ -48,6 +49,10 @@ def cfg(train, fmt="instruction", max_seq_len=64, packing=False, eval=None, eval
 def write_jsonl(path: Path, rows: list) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return path
+
+
+def data_row(enc) -> tuple[list[int], list[int]]:
+    return enc.input_ids, enc.labels
 
 
 def labelled(ids, labels) -> list[int]:
@@ -114,7 +119,7 @@ def test_bos_follows_the_tokenizer(tmp_path):
 
     no_bos = AutoTokenizer.from_pretrained(QUICKSTART / "model", add_bos_token=False)
     row = {"instruction": "Write the number in words.", "output": "five"}
-    ids, labels = data.encode_instruction(row, no_bos)
+    ids, labels = data_row(encode.encode_instruction(row, no_bos))
     assert no_bos.bos_token_id not in ids
     assert ids[-1] == no_bos.eos_token_id and labels[-1] == no_bos.eos_token_id
     assert no_bos.decode(labelled(ids, labels)) == "five</s>"
@@ -134,15 +139,24 @@ def test_chat_needs_a_template_and_a_prefix_stable_one(tmp_path):
     unstable.chat_template = "{% for m in messages %}{% if loop.last %}LAST {% endif %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     with pytest.raises(UserError, match=r"c\.jsonl row 1: .*not prefix-stable at message 1"):
         build_datasets(cfg(path, "chat"), unstable, 0)
-    # Unstable for one row only: the message names that row of the file, even after an eval split.
+    # Unstable for one row only, at a turn that is not the last: the turn is still located exactly in
+    # the whole conversation (its content, then what the template closes a turn with).
     unstable.chat_template = (
         "{% for m in messages %}{% if loop.last and m['content'] == 'odd' %}X{% endif %}"
-        "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
     )
     chat = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "one"}]
     rows = [{"messages": chat + chat}] * 9
     rows.insert(6, {"messages": [chat[0], {"role": "assistant", "content": "odd"}] + chat})
     path = write_jsonl(tmp_path / "c10.jsonl", rows)
+    train, _ = prepare_data(cfg(path, "chat"), unstable, 0)
+    ex = train.examples[6]
+    assert ex["row"] == 6
+    assert unstable.decode(labelled(ex["input_ids"], ex["labels"])) == " odd\n one\n"
+    # ... but a turn that renders differently as the last one cannot be: the error names the row.
+    rows[6] = {"messages": [chat[0], {"role": "assistant", "content": "odd"}]}
+    path = write_jsonl(tmp_path / "c10.jsonl", rows)
+    unstable.chat_template = unstable.chat_template.replace("loop.last and ", "")
     with pytest.raises(UserError, match=r"c10\.jsonl row 7: .*not prefix-stable at message 1"):
         build_datasets(cfg(path, "chat", eval_fraction=0.5), unstable, 0)
 
@@ -157,7 +171,7 @@ def test_truncation_and_dropping(tok, tmp_path, caplog):
     assert "dropped 1 of 2 examples" in caplog.text  # the long prompt left nothing to learn
     assert len(train) == 1
     ex = train[0]
-    full_ids, full_labels = data.encode_instruction(fits, tok)
+    full_ids, full_labels = data_row(encode.encode_instruction(fits, tok))
     assert len(full_ids) > 20 and ex["input_ids"] == full_ids[:20] and ex["labels"] == full_labels[:20]
     assert ex["position_ids"] == list(range(20))
     with pytest.raises(UserError, match="no example has a trainable token left.*max_seq_len=8"):
