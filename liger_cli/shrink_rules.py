@@ -1,0 +1,103 @@
+"""Which config attributes are sizes, and how small a tiny twin makes them: rules by attribute name.
+
+Each name maps to the largest value it keeps; smaller values (and None) stay as they are. The rules go
+by name, not by model family, so configs never seen before (remote code included) shrink too.
+"""
+
+from __future__ import annotations
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, EXPERT_INTERMEDIATE = 64, 4, 2, 16, 96, 32
+VOCAB, EXPERTS, TOP_K, RANK, WINDOW, MAX_POSITIONS = 256, 4, 2, 32, 8, 256
+
+# --- sizes, by attribute name -------------------------------------------------------------------------
+# Each name maps to the largest value it keeps; smaller values (and None) stay as they are.
+_CAPS: tuple[tuple[int, str], ...] = (
+    (
+        HIDDEN,
+        "hidden_size d_model n_embd dim emb_dim embedding_dim embedding_size lru_width word_embed_proj_dim "
+        "input_embedding_size output_embedding_size router_hidden_size cross_attention_hidden_size "
+        "projection_dim text_hidden_size hidden_dim hidden_size_global nemo_conv_channels ext_pw_out_channel "
+        "depthwise_separable_out_channel output_channels",
+    ),
+    (
+        HEADS,
+        "num_attention_heads n_head n_heads num_heads attention_heads encoder_attention_heads "
+        "decoder_attention_heads num_decoder_attention_heads num_encoder_attention_heads swa_num_attention_heads "
+        "index_n_heads indexer_n_heads linear_num_heads heads_per_ngram",
+    ),
+    (
+        HEAD_DIM,
+        "head_dim attention_head_dim d_head kv_channels dim_head attention_head_size swa_head_dim linear_head_dim "
+        "linear_key_head_dim linear_value_head_dim index_head_dim indexer_head_dim v_head_dim qk_nope_head_dim "
+        "d_rel global_head_dim",
+    ),
+    (8, "qk_rope_head_dim rotary_dim rotary_emb_dim mamba_d_head mamba_head_dim mamba_headdim"),
+    (
+        INTERMEDIATE,
+        "intermediate_size ffn_dim n_inner d_inner dff dim_ff feed_forward_size ffn_hidden_size encoder_ffn_dim "
+        "decoder_ffn_dim intermediate_size_mlp dense_intermediate_size prefix_dense_intermediate_size "
+        "attention_hidden_size mlp_dim",
+    ),
+    (
+        EXPERT_INTERMEDIATE,
+        "moe_intermediate_size expert_ffn_hidden_size shared_expert_intermediate_size "
+        "moe_shared_expert_intermediate_size shared_experts_intermediate_size shared_intermediate_size "
+        "moe_latent_size",
+    ),
+    (
+        RANK,
+        "q_lora_rank kv_lora_rank o_lora_rank adapter_rank laurel_rank time_step_rank mamba_dt_rank "
+        "gated_norm_rank hc_lowrank hidden_size_per_layer_input ple_embed_dim pronunciation_embed_dim "
+        "shape_embed_dim prompt_mid_dim index_topk indexer_budget",
+    ),
+    (16, "state_size ssm_state_size mamba_d_state mamba_d_ssm"),
+    (EXPERTS, "num_experts num_local_experts n_routed_experts moe_num_experts zero_expert_num"),
+    (
+        TOP_K,
+        "num_experts_per_tok num_experts_per_token moe_topk moe_k top_k_experts moe_top_k num_selected_experts",
+    ),
+    (1, "n_shared_experts num_shared_experts moe_num_shared_experts topk_group"),
+    (2, "n_group num_expert_group n_groups mamba_n_groups mamba_ngroups num_layers_per_stack"),
+    (
+        WINDOW,
+        "sliding_window sliding_window_size attention_window_size local_attention_window_len attention_chunk_size "
+        "local_attn_chunk_length lsh_attn_chunk_length window_size",
+    ),
+    (32, "chunk_size mamba_chunk_size block_size max_inference_chunksize"),
+)
+_CAP = {name: cap for cap, names in _CAPS for name in names.split()}
+_HEAD_DIMS = set(_CAPS[2][1].split() + _CAPS[3][1].split())
+_KV_HEADS = (
+    "num_key_value_heads num_kv_heads swa_num_key_value_heads num_query_groups indexer_kv_heads kv_n_heads "
+    "linear_num_key_heads"
+).split()
+_LAYERS = (
+    "num_hidden_layers n_layer n_layers num_layers num_decoder_layers decoder_layers encoder_layers "
+    "num_encoder_layers num_blocks"
+).split()
+_VOCAB_NAMES = (
+    "vocab_size decoder_vocab_size vocab_size_per_layer_input audio_vocab_size unpadded_vocab_size "
+    "ngram_vocab_size_base encoder_hash_byte_group_vocab shape_vocab_size pronunciation_vocab_size codebook_size"
+).split()
+_POSITION_NAMES = "max_position_embeddings n_positions max_seq_len n_ctx context_length".split()
+
+
+def _get(cfg, name: str, default=None):
+    """An attribute as stored (per-layer configs refuse a plain getattr of their varying attributes)."""
+    return vars(cfg).get(name, default)
+
+
+def _set(cfg, name: str, value) -> None:
+    """Set an attribute; derived read-only ones (properties that refuse a value) are skipped."""
+    try:
+        setattr(cfg, name, value)
+    except (AttributeError, NotImplementedError):
+        pass
+
+
+def _is_token_name(name: str) -> bool:
+    return name.endswith(("token_id", "token_ids", "token_index", "_token")) or name in (
+        "suppress_tokens",
+        "begin_suppress_tokens",
+        "forced_decoder_ids",
+    )
