@@ -1,8 +1,9 @@
 """`liger bench RECIPE`: the recipe's own training with its kernels and with all kernels off, side by side.
 
 Why: a kernel library's speed-up is a claim to measure on the user's recipe and hardware, not to
-assume (field failure 2: a kernel-patched run took 2h59m against 2h42m without). So the bench runs the
-recipe's model, data and backend twice, W warm-up steps then N measured optimizer steps each:
+assume (a kernel-patched run took 2h59m against 2h42m without: see
+docs/field-failures.md#kernels-that-made-a-run-slower). So the bench runs the recipe's model, data
+and backend twice, W warm-up steps then N measured optimizer steps each:
 
 - `kernels_on`: the kernels as the recipe says;
 - `kernels_off`: every kernel off, otherwise the same recipe.

@@ -72,7 +72,7 @@ class ModelSection(_Section):
     trust_remote_code: bool = False
     tokenizer: RelPath | None = None
     load_kwargs: dict[str, Any] = Field(default_factory=dict)
-    """Passed to from_pretrained untouched (field failure 2: wrappers must not drop arguments)."""
+    """Passed to from_pretrained untouched (see docs/field-failures.md#zero-3-loading-drops-an-argument)."""
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSection:
