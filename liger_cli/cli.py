@@ -21,6 +21,8 @@ app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    # Plain help text: rich's help formatter (with markdown) costs more to import than typer itself.
+    rich_markup_mode=None,
 )
 
 
