@@ -81,7 +81,9 @@ def inspect_command(
     check_ambient = True
     plan = None
     if recipe is not None:
-        loaded, built, plan = _recipe_model(recipe, model)
+        # The recipe's Plan is shown when the report is the recipe's: no option overrides it.
+        as_recipe_runs = backend is None and wrap_classes is None and num_processes is None
+        loaded, built, plan = _recipe_model(recipe, model, with_plan=as_recipe_runs)
         settings.update(loaded)
         check_ambient = loaded["accelerate_config"] is None
     else:
@@ -155,9 +157,11 @@ def _from_factory(spec: str) -> nn.Module:
     return built
 
 
-def _recipe_model(recipe_path: Path, model: str | None) -> tuple[dict, nn.Module, Plan | None]:
+def _recipe_model(
+    recipe_path: Path, model: str | None, with_plan: bool
+) -> tuple[dict, nn.Module, Plan | None]:
     """The recipe's settings, its model as the run builds it (adapter included) on meta, and its
-    Plan (None when MODEL replaces the recipe's model: that is not the Plan the recipe runs)."""
+    Plan (None unless asked for, or when MODEL replaces the recipe's model: not what the recipe runs)."""
     from liger_cli.model import add_adapter, build_meta_model_for
     from liger_cli.plan import build_plan
     from liger_cli.recipe import load_recipe
@@ -169,7 +173,7 @@ def _recipe_model(recipe_path: Path, model: str | None) -> tuple[dict, nn.Module
         warnings.simplefilter("ignore", FutureWarning)  # transformers 5 deprecations inside peft
         if model is None:
             built = build_meta_model_for(recipe)
-            plan = build_plan(recipe, built)
+            plan = build_plan(recipe, built) if with_plan else None
         else:  # MODEL replaces the recipe's model; the recipe's adapter still applies
             built = add_adapter(
                 build_meta_model(model, recipe.model.trust_remote_code), recipe, low_cpu_mem_usage=True

@@ -31,7 +31,7 @@ def dry_run(recipe: Recipe) -> str:
 def launch(recipe: Recipe, recipe_path: Path, overrides: list[str]) -> int:
     """Train; returns the exit code (0 done, 1 runtime failure)."""
     plan = build_plan(recipe)
-    if plan.device == "cpu":  # the ranks inherit DS_ACCELERATOR from here
+    if plan.device == "cpu":  # the ranks inherit it from here
         process_state.set_deepspeed_accelerator("cpu")
         _return_freed_memory_to_the_os()
     if plan.num_processes > 1 and not inside_launcher():

@@ -8,7 +8,8 @@ from the Plan. Each process runs `python -m liger_cli train RECIPE` and builds i
 
 On a CPU, `accelerate launch --cpu` starts ONE process and `--use_fsdp` silently gives DDP
 (see docs/fsdp-facts.md#launching-on-a-cpu): we launch with the multi-GPU launcher (torchrun
-underneath) and ACCELERATE_USE_CPU=1, which gives real gloo process groups.
+underneath) and accelerate's CPU switch in the ranks' environment (`process_state.child_env`),
+which gives real gloo process groups.
 """
 
 from __future__ import annotations

@@ -51,7 +51,8 @@ class Plan:
         return self.num_processes > 1
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The Plan as JSON values (tuples become lists)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
 
     def render(self) -> str:
         on = [name for name, enabled in self.kernels.items() if enabled]
