@@ -68,27 +68,13 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
     resume_from = prepare_output(recipe, accelerator)
     data = load_data(recipe, accelerator)
     model, kernel_report = build_model(recipe, plan)
-    applied = Applied(kernels_patched=kernel_report)
-    write_run_folder(recipe, plan, applied, accelerator.is_main_process)
-    say(render_with(plan, applied))
-    trainable, total = count_parameters(model)
-    say(f"parameters: {trainable:,} trainable of {total:,} ({100 * trainable / total:.2f}%)")
-    say(
-        f"data: {len(data.train)} train / {len(data.eval) if data.eval is not None else 0} eval examples; "
-        f"{data.total_steps} optimizer steps"
-    )
+    record_plan(recipe, plan, Applied(kernels_patched=kernel_report), accelerator.is_main_process, say)
+    describe(model, data, say)
     trainer = prepare(recipe, backend, model, data, say)
     if resume_from is not None:
-        backend.load_state(trainer.model, trainer.optimizer, resume_from)
-        trainer.step = checkpoint.read_state(resume_from)["step"]
-        say(f"resumed from {resume_from} at step {trainer.step}")
+        resume(trainer, resume_from)
     last = fit(trainer)
-    save_final(backend, trainer.model, data.tokenizer, recipe.output.dir)
-    if accelerator.is_main_process:
-        (recipe.output.dir / "final_metrics.json").write_text(json.dumps(last, indent=2))
-    say(
-        f"done: final model in {recipe.output.dir / 'final'}, metrics in {recipe.output.dir / 'metrics.jsonl'}"
-    )
+    finish(trainer, last)
     return last  # the process group is destroyed by the launcher (rank.py), after every run in it
 
 
@@ -121,8 +107,8 @@ def load_data(recipe: Recipe, accelerator) -> Data:
     return Data(tokenizer, train_ds, eval_ds, batches, total_steps(t, batches))
 
 
-def write_run_folder(recipe: Recipe, plan: Plan, applied: Applied, main: bool) -> None:
-    """The run folder's marker, the resolved recipe and the printed Plan (main process only)."""
+def record_plan(recipe: Recipe, plan: Plan, applied: Applied, main: bool, say) -> None:
+    """The run folder's marker, the resolved recipe and `plan.txt` (main process); the Plan in the log."""
     out = recipe.output.dir
     if main:
         out.mkdir(parents=True, exist_ok=True)
@@ -130,6 +116,14 @@ def write_run_folder(recipe: Recipe, plan: Plan, applied: Applied, main: bool) -
         (out / "recipe.yaml").write_text(recipe.to_yaml())
         (out / "plan.txt").write_text(render_with(plan, applied) + "\n")
         checkpoint.remove_stale_temporaries(out)
+    say(render_with(plan, applied))
+
+
+def describe(model, data: Data, say) -> None:
+    trainable, total = count_parameters(model)
+    say(f"parameters: {trainable:,} trainable of {total:,} ({100 * trainable / total:.2f}%)")
+    evals = len(data.eval) if data.eval is not None else 0
+    say(f"data: {len(data.train)} train / {evals} eval examples; {data.total_steps} optimizer steps")
 
 
 def prepare(recipe: Recipe, backend: Backend, model, data: Data, say) -> Trainer:
@@ -151,6 +145,22 @@ def prepare(recipe: Recipe, backend: Backend, model, data: Data, say) -> Trainer
     backend.accelerator.register_for_checkpointing(scheduler)
     checkpoint.save_only_trainable_weights(backend.accelerator, model, recipe.adapter.type != "none")
     return Trainer(recipe, backend, model, optimizer, scheduler, data, 0, say)
+
+
+def resume(trainer: Trainer, checkpoint_dir: Path) -> None:
+    """Load a checkpoint the backend's way; the data position is its step number."""
+    trainer.backend.load_state(trainer.model, trainer.optimizer, checkpoint_dir)
+    trainer.step = checkpoint.read_state(checkpoint_dir)["step"]
+    trainer.say(f"resumed from {checkpoint_dir} at step {trainer.step}")
+
+
+def finish(trainer: Trainer, last: dict[str, float]) -> None:
+    """The final model (gathered by the backend, written by rank 0) and the final metrics."""
+    out, accelerator = trainer.recipe.output.dir, trainer.backend.accelerator
+    save_final(trainer.backend, trainer.model, trainer.data.tokenizer, out)
+    if accelerator.is_main_process:
+        (out / "final_metrics.json").write_text(json.dumps(last, indent=2))
+    trainer.say(f"done: final model in {out / 'final'}, metrics in {out / 'metrics.jsonl'}")
 
 
 # --- the loop ---------------------------------------------------------------------------------------------
