@@ -93,3 +93,61 @@ def remove_stale_temporaries(out: Path) -> None:
     """Half-written saves from a killed run are never resumed from; clear them."""
     for tmp in checkpoints_dir(out).glob(".tmp-step-*"):
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+# --- what a checkpoint holds with an adapter ---------------------------------------------------------------
+
+
+def _trainable_names(accelerator, model) -> set[str]:
+    """Trainable parameter names as accelerate's state dicts name them (without DDP's `module.`)."""
+    return {name for name, p in accelerator.unwrap_model(model).named_parameters() if p.requires_grad}
+
+
+def save_only_trainable_weights(accelerator, model, adapter: bool) -> None:
+    """With an adapter, checkpoints hold only the trainable weights: the frozen base is the model folder."""
+    if not adapter:
+        return
+    trainable = _trainable_names(accelerator, model)
+
+    def keep_trainable(models, weights, output_dir):
+        for i, state in enumerate(weights):
+            weights[i] = {k: v for k, v in state.items() if k in trainable}
+            if weights[i].keys() != trainable:  # never write a checkpoint that resumes without the adapter
+                raise RuntimeError(
+                    f"checkpoint would hold {len(weights[i])} of {len(trainable)} trainable weights"
+                )
+
+    accelerator.register_save_state_pre_hook(keep_trainable)
+
+
+def check_adapter_checkpoint(accelerator, model, checkpoint_dir: Path) -> None:
+    """Loading is not strict with an adapter (the frozen base is not in the checkpoint), so check the
+    checkpoint holds exactly the trainable weights: a silent partial load would train from scratch."""
+    weights = checkpoint_dir / "model.safetensors"
+    if not weights.is_file():  # FSDP and DeepSpeed write their own sharded formats, loaded strictly
+        return
+    from safetensors import safe_open
+
+    with safe_open(weights, "pt") as f:
+        keys = set(f.keys())
+    trainable = _trainable_names(accelerator, model)
+    if keys != trainable:
+        raise RuntimeError(
+            f"checkpoint {checkpoint_dir} holds {len(keys)} weights but the model trains {len(trainable)} "
+            f"(e.g. missing {sorted(trainable - keys)[:2]}): it was written by another recipe or backend"
+        )
+
+
+def save_final(backend, model, tokenizer, out: Path) -> None:
+    """The adapter in peft's format (or the full model), plus the tokenizer, written by rank 0 only."""
+    accelerator = backend.accelerator
+    state_dict = backend.full_state_dict(model)  # gathers shards on every rank; rank 0 keeps it
+    final = out / "final"
+    if accelerator.is_main_process:
+        tmp = out / ".tmp-final"
+        shutil.rmtree(tmp, ignore_errors=True)
+        backend.model_to_save(model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+    accelerator.wait_for_everyone()

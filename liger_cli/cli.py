@@ -21,6 +21,8 @@ app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    # Plain help text: rich's help formatter (with markdown) costs more to import than typer itself.
+    rich_markup_mode=None,
 )
 
 
@@ -58,11 +60,11 @@ def train(
 
     loaded = load_recipe(recipe, set_ or [])
     if dry_run:
-        from liger_cli.launch import dry_run_plan
+        from liger_cli.launch import dry_run
 
         typer.echo("# resolved recipe")
         typer.echo(loaded.to_yaml())
-        typer.echo(dry_run_plan(loaded).render())
+        typer.echo(dry_run(loaded))
         return
     from liger_cli.launch import launch
 
@@ -114,11 +116,13 @@ def inspect_wrap(
     """Show how FSDP will shard a model, without loading weights, and warn about plans known to break."""
     if model is None and recipe is None:
         raise UserError("give a MODEL (folder, config.json or package.module:factory) or --recipe RECIPE")
-    if backend is not None and backend not in ("fsdp1", "fsdp2"):
-        raise UserError(f"--backend {backend!r}: choose fsdp1 or fsdp2")
+    from liger_cli.backends import FSDP_BACKENDS
+    from liger_cli.inspect_wrap import inspect_command
+
+    if backend is not None and backend not in FSDP_BACKENDS:
+        raise UserError(f"--backend {backend!r}: choose {' or '.join(FSDP_BACKENDS)}")
     if num_processes is not None and num_processes < 1:
         raise UserError(f"--num-processes {num_processes}: must be at least 1")
-    from liger_cli.inspect import inspect_command
 
     raise typer.Exit(
         inspect_command(

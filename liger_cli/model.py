@@ -3,7 +3,8 @@
 The order matters and is the same everywhere: load (or build) the model, switch off the KV cache,
 add the adapter through peft, enable activation checkpointing, patch our kernels into the
 instance. Loading passes every argument of `model.load_kwargs` to `from_pretrained` untouched
-(field failure 2: a wrapper that drops a loading argument breaks engines such as ZeRO-3).
+(a wrapper that drops a loading argument breaks engines such as ZeRO-3:
+see docs/field-failures.md#zero-3-loading-drops-an-argument).
 """
 
 from __future__ import annotations
@@ -11,13 +12,16 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from liger_cli.errors import UserError
-from liger_cli.plan import Plan
 from liger_cli.recipe import Recipe
+
+if TYPE_CHECKING:
+    from liger_cli.plan import Plan
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -80,7 +84,7 @@ def meta_model_from_config(
     return model
 
 
-def load_base_model(recipe: Recipe, plan: Plan) -> nn.Module:
+def load_base_model(recipe: Recipe) -> nn.Module:
     """`from_pretrained` for a model folder, `from_config` (seeded random init) for model.config."""
     from transformers import AutoModelForCausalLM
 
@@ -93,9 +97,9 @@ def load_base_model(recipe: Recipe, plan: Plan) -> nn.Module:
     else:
         torch.manual_seed(recipe.training.seed)
         model = AutoModelForCausalLM.from_config(read_config(m.config, m.trust_remote_code), **kwargs)
-    model.config.use_cache = (
-        False  # a cache during recompute grows and breaks checkpointing (field failure 3)
-    )
+    # A cache during recompute grows and breaks checkpointing
+    # (see docs/field-failures.md#checkpointing-recomputes-different-shapes).
+    model.config.use_cache = False
     return model
 
 
@@ -126,7 +130,8 @@ def add_adapter(model: nn.Module, recipe: Recipe, low_cpu_mem_usage: bool = Fals
 
 
 def enable_activation_checkpointing(model: nn.Module, plan: Plan) -> None:
-    """Checkpoint every decoder layer with the implementation the Plan chose (field failure 3).
+    """Checkpoint every decoder layer with the implementation the Plan chose
+    (see docs/field-failures.md#checkpointing-recomputes-different-shapes).
 
     Through transformers' `activation_checkpointing_enable` (`gradient_checkpointing_enable` is
     deprecated); it also makes the embeddings' output require grad, without which reentrant
@@ -140,22 +145,25 @@ def enable_activation_checkpointing(model: nn.Module, plan: Plan) -> None:
     base.config.use_cache = False
 
 
-def build_model(recipe: Recipe, plan: Plan) -> nn.Module:
-    """The model a run trains: base + adapter + checkpointing + our kernels (report into the Plan)."""
-    from liger_kernels import patch_model
-
-    model = load_base_model(recipe, plan)
+def build_model(recipe: Recipe, plan: Plan) -> tuple[nn.Module, tuple[str, ...]]:
+    """The model a run trains: base + adapter + checkpointing + our kernels; and the kernels' report."""
+    model = load_base_model(recipe)
     model = add_adapter(model, recipe)
     enable_activation_checkpointing(model, plan)
-    if not any(recipe.kernels.model_dump().values()):
-        plan.kernel_report = ["none (all kernels off in the recipe)"]
-        return model
+    return model, patch_kernels(model, plan)
+
+
+def patch_kernels(model: nn.Module, plan: Plan) -> tuple[str, ...]:
+    """Patch the Plan's kernels into this model instance; returns the patch report, one line each."""
+    from liger_kernels import patch_model
+
+    if not any(plan.kernels.values()):
+        return ("none (all kernels off in the recipe)",)
     try:
-        report = patch_model(model, **recipe.kernels.model_dump())
+        report = patch_model(model, **plan.kernels)
     except ValueError as err:
         raise UserError(f"kernels: {err}") from None
-    plan.kernel_report = report.lines()
-    return model
+    return tuple(report.lines())
 
 
 def build_meta_model_for(recipe: Recipe) -> nn.Module:

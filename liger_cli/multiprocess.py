@@ -7,13 +7,13 @@ from the Plan. Each process runs `python -m liger_cli train RECIPE` and builds i
 (DDP, FSDP, DeepSpeed) in-process from the same Plan.
 
 On a CPU, `accelerate launch --cpu` starts ONE process and `--use_fsdp` silently gives DDP
-(../shared/context/fsdp-facts.md): we launch with the multi-GPU launcher (torchrun underneath)
-and ACCELERATE_USE_CPU=1, which gives real gloo process groups.
+(see docs/fsdp-facts.md#launching-on-a-cpu): we launch with the multi-GPU launcher (torchrun
+underneath) and accelerate's CPU switch in the ranks' environment (`process_state.child_env`),
+which gives real gloo process groups.
 """
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import tempfile
@@ -21,11 +21,11 @@ from pathlib import Path
 
 import yaml
 
-from liger_cli.launch import STATUS_ENV
+from liger_cli import process_state
+from liger_cli.backends.base import PRECISION_TO_ACCELERATE as MIXED_PRECISION
 from liger_cli.plan import Plan
+from liger_cli.rank import STATUS_ENV
 from liger_cli.recipe import Recipe
-
-MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 
 
 def accelerate_config(recipe: Recipe, plan: Plan) -> dict:
@@ -72,15 +72,9 @@ def launch_argv(
 
 
 def launch_env(plan: Plan, status_dir: Path | None = None) -> dict[str, str]:
-    env = dict(os.environ)
-    if plan.device == "cpu":
-        env["ACCELERATE_USE_CPU"] = "1"
-    # Each process builds its backend from the recipe; stale accelerate settings must not leak in.
-    for key in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_CONFIG_FILE"):
-        env.pop(key, None)
-    if status_dir is not None:
-        env[STATUS_ENV] = str(status_dir)
-    return env
+    """The ranks' environment: ours, without stale accelerate settings (each builds its backend)."""
+    extra = {STATUS_ENV: str(status_dir)} if status_dir is not None else {}
+    return process_state.child_env(cpu=plan.device == "cpu", extra=extra)
 
 
 def describe_failure(status_dir: Path, num_processes: int) -> str:

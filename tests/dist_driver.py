@@ -18,21 +18,22 @@ import sys
 from pathlib import Path
 
 from liger_cli import train
-from liger_cli.launch import end_process_group
 from liger_cli.plan import build_plan
+from liger_cli.rank import end_process_group
 from liger_cli.recipe import load_recipe
 
 _real_save_final = train.save_final
 
 
-def _save_final_with_checks(accelerator, model, tokenizer, out: Path) -> None:
+def _save_final_with_checks(backend, model, tokenizer, out: Path) -> None:
     """The real save, after recording what the tests need from the trained, still-wrapped model."""
+    accelerator = backend.accelerator
     if accelerator.is_main_process:
         inner = accelerator.unwrap_model(model)
         lm_head = inner.get_output_embeddings().weight
         tied = inner.get_input_embeddings().weight is lm_head
         (out / "checks.json").write_text(json.dumps({"tied": tied, "lm_head_numel": lm_head.numel()}))
-    _real_save_final(accelerator, model, tokenizer, out)
+    _real_save_final(backend, model, tokenizer, out)
 
 
 def field_failure_1(recipe_path: str) -> str:
@@ -40,14 +41,13 @@ def field_failure_1(recipe_path: str) -> str:
     fused loss did. Returns the error text (the test expects a shape error)."""
     import torch
 
-    from liger_cli.distributed import apply_wrap_plan, make_accelerator
+    from liger_cli.backends import backend_for
     from liger_cli.model import build_model
 
     recipe = load_recipe(recipe_path, ["kernels.fused_linear_cross_entropy=false"])
     plan = build_plan(recipe)
-    accelerator = make_accelerator(recipe, plan)
-    model = build_model(recipe, plan)
-    apply_wrap_plan(accelerator, model, recipe, plan)
+    accelerator = backend_for(recipe, plan).make_accelerator()
+    model, _ = build_model(recipe, plan)
     model = accelerator.prepare(model)
     ids = torch.randint(0, 100, (2, 8))
     hidden = model(input_ids=ids, output_hidden_states=True).hidden_states[-1]
@@ -66,13 +66,13 @@ def zero3_load(recipe_path: str) -> dict:
     from safetensors.torch import load_file
     from transformers.integrations import is_deepspeed_zero3_enabled
 
-    from liger_cli.distributed import make_accelerator
+    from liger_cli.backends import backend_for
     from liger_cli.model import build_model
 
     recipe = load_recipe(recipe_path)
     plan = build_plan(recipe)
-    make_accelerator(recipe, plan)
-    model = build_model(recipe, plan)
+    backend_for(recipe, plan).make_accelerator()
+    model, _ = build_model(recipe, plan)
     saved = load_file(Path(recipe.model.path) / "model.safetensors")
     params = dict(model.named_parameters())
     partitioned = all(hasattr(p, "ds_id") and p.numel() == 0 for p in params.values())

@@ -59,7 +59,7 @@ def runs(assets, tmp_path_factory) -> dict[str, Path]:  # noqa: F811 - the impor
         {"recipe": str(r), "env": {"TORCH_EXTENSIONS_DIR": str(root / "torch_extensions")}}
         for r in recipes.values()
     ]
-    # A loading argument with a visible effect: every one must reach from_pretrained (field failure 2).
+    # A loading argument with a visible effect: every one must reach from_pretrained (docs/field-failures.md#zero-3-loading-drops-an-argument).
     load = write_recipe(
         assets, root / "load", "deepspeed", adapter="none", model__load_kwargs={"rms_norm_eps": 1e-3}
     )
@@ -145,7 +145,7 @@ def test_zero3_checkpoint_resumes_in_a_new_launch(runs, tmp_path: Path) -> None:
 def test_deepspeed_backend_without_deepspeed_is_a_user_error(assets, tmp_path: Path, monkeypatch) -> None:  # noqa: F811
     import importlib.util
 
-    from liger_cli.distributed import make_accelerator
+    from liger_cli.backends import backend_for
     from liger_cli.errors import UserError
     from liger_cli.plan import build_plan
     from liger_cli.recipe import load_recipe
@@ -156,4 +156,4 @@ def test_deepspeed_backend_without_deepspeed_is_a_user_error(assets, tmp_path: P
         importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else find_spec(name, *a)
     )
     with pytest.raises(UserError, match="needs the deepspeed package.*pip install"):
-        make_accelerator(recipe, build_plan(recipe))
+        backend_for(recipe, build_plan(recipe)).make_accelerator()

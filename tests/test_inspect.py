@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from liger_cli.errors import UserError
-from liger_cli.inspect import build_meta_model, inspect_command
+from liger_cli.inspect_wrap import build_meta_model, inspect_command
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "tests" / "configs"
@@ -236,3 +236,24 @@ def test_cli_custom_model_strict_exits_3_with_warnings(tmp_path):
     assert "NO_WRAP_CLASSES" in done.stdout and "e.g. Block" in done.stdout
     assert "AMBIENT_ACCELERATE_CONFIG" in done.stdout and "default_config.yaml" in done.stdout
     assert "(root)" in done.stdout and "Root unit keeps: blocks, head" in done.stdout
+
+
+def test_recipe_prints_the_plan_the_run_prints(tmp_path, capsys, monkeypatch):
+    """inspect-wrap --recipe shows the recipe's own Plan (the object `liger train` prints), and its
+    units come from that Plan's wrap classes."""
+    from liger_cli.model import build_meta_model_for
+    from liger_cli.plan import build_plan
+    from liger_cli.recipe import load_recipe
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    recipe_path = write_recipe(tmp_path, fsdp={"wrap_classes": None})  # from _no_split_modules
+    recipe = load_recipe(recipe_path)
+    plan = build_plan(recipe, build_meta_model_for(recipe))
+    assert inspect_command(None, recipe_path, None, None, None, False, False, False) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(plan.render() + "\n")
+    assert "FSDP wrap classes   LlamaDecoderLayer (from no_split_modules)" in out
+    data = inspect_json(capsys, recipe=recipe_path)
+    assert data["plan"] == plan.to_dict()
+    assert data["plan"]["wrap_classes"] == ["LlamaDecoderLayer"] == data["wrap_classes"]
+    assert data["wrap_source"] == "no_split_modules"

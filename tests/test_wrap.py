@@ -14,13 +14,14 @@ import torch
 from torch import nn
 
 from liger_cli.errors import UserError
-from liger_cli.inspect import build_meta_model
+from liger_cli.inspect_wrap import build_meta_model
+from liger_cli.process_state import accelerate_env
 from liger_cli.wrap import (
     ENV_KEY,
     ROOT,
     WrapResolution,
-    accelerate_env,
     plan_units,
+    render_report,
     resolve_wrap_classes,
     split_names,
 )
@@ -369,7 +370,7 @@ def test_render_and_json():
     report = plan_units(
         meta_model("llama-3-8b"), ["LlamaDecoderLayer"], "fsdp2", 8, check_ambient_config=False
     )
-    text = report.render()
+    text = render_report(report)
     assert "model.layers.{0..31}  LlamaDecoderLayer" in text
     assert "model.norm + lm_head" in text and "No warnings." in text and "\x1b[" not in text
     data = json.loads(json.dumps(report.to_json()))

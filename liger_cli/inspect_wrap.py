@@ -1,7 +1,8 @@
 """`liger inspect-wrap`: how FSDP will shard a model, shown before anything runs.
 
 The model is built on the meta device, so no weights are read and parameters take no memory: a 70B
-config inspects in seconds. The plan comes from `liger_cli.wrap`, the same code the run uses.
+config inspects in seconds. With `--recipe`, the wrap classes are the recipe's Plan's (the object
+`liger train` prints and runs), and the Plan is printed first.
 """
 
 from __future__ import annotations
@@ -13,12 +14,17 @@ import re
 import sys
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from liger_cli.backends import FSDP_BACKENDS
 from liger_cli.errors import UserError
-from liger_cli.wrap import plan_units, resolve_wrap_classes
+from liger_cli.wrap import WrapResolution, plan_units, render_report, resolve_wrap_classes
+
+if TYPE_CHECKING:
+    from liger_cli.plan import Plan
 
 _FACTORY = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 _SPEC_HELP = "give a Hugging Face model folder, a config.json file, or package.module:factory"
@@ -73,8 +79,11 @@ def inspect_command(
     """
     settings = {"backend": "fsdp2", "num_processes": 1, "wrap_classes": None, "flce": False, "ac": "off"}
     check_ambient = True
+    plan = None
     if recipe is not None:
-        loaded, built = _recipe_model(recipe, model)
+        # The recipe's Plan is shown when the report is the recipe's: no option overrides it.
+        as_recipe_runs = backend is None and wrap_classes is None and num_processes is None
+        loaded, built, plan = _recipe_model(recipe, model, with_plan=as_recipe_runs)
         settings.update(loaded)
         check_ambient = loaded["accelerate_config"] is None
     else:
@@ -82,7 +91,7 @@ def inspect_command(
     if lora and not _has_adapter(built):
         built = apply_default_lora(built)
     backend = backend or settings["backend"]
-    if backend not in ("fsdp1", "fsdp2"):
+    if backend not in FSDP_BACKENDS:
         print(
             f"note: the recipe's backend is {backend}, which does not use FSDP; showing what fsdp2 would do "
             "(set distributed.backend: fsdp2, or pass --backend)",
@@ -92,6 +101,8 @@ def inspect_command(
 
     if wrap_classes is not None:
         resolution = resolve_wrap_classes(built, wrap_classes, recipe_origin="--wrap-classes")
+    elif plan is not None and plan.wrap_classes is not None:  # the classes the run will use
+        resolution = WrapResolution(list(plan.wrap_classes), plan.wrap_source)
     else:
         resolution = resolve_wrap_classes(built, settings["wrap_classes"])
     report = plan_units(
@@ -104,9 +115,14 @@ def inspect_command(
         check_ambient_config=check_ambient,
     )
     if json_out:
-        print(json.dumps(report.to_json(), indent=2))
+        data = report.to_json()
+        if plan is not None:
+            data["plan"] = plan.to_dict()
+        print(json.dumps(data, indent=2))
     else:
-        print(report.render(), end="")
+        if plan is not None:
+            print(plan.render() + "\n")
+        print(render_report(report), end="")
     return 3 if strict and report.warnings else 0
 
 
@@ -141,17 +157,23 @@ def _from_factory(spec: str) -> nn.Module:
     return built
 
 
-def _recipe_model(recipe_path: Path, model: str | None) -> tuple[dict, nn.Module]:
-    """The recipe's settings and its model as the run builds it (adapter included), on meta."""
+def _recipe_model(
+    recipe_path: Path, model: str | None, with_plan: bool
+) -> tuple[dict, nn.Module, Plan | None]:
+    """The recipe's settings, its model as the run builds it (adapter included) on meta, and its
+    Plan (None unless asked for, or when MODEL replaces the recipe's model: not what the recipe runs)."""
     from liger_cli.model import add_adapter, build_meta_model_for
+    from liger_cli.plan import build_plan
     from liger_cli.recipe import load_recipe
 
     recipe = load_recipe(recipe_path)
     dist = recipe.distributed
+    plan = None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # transformers 5 deprecations inside peft
         if model is None:
             built = build_meta_model_for(recipe)
+            plan = build_plan(recipe, built) if with_plan else None
         else:  # MODEL replaces the recipe's model; the recipe's adapter still applies
             built = add_adapter(
                 build_meta_model(model, recipe.model.trust_remote_code), recipe, low_cpu_mem_usage=True
@@ -164,7 +186,7 @@ def _recipe_model(recipe_path: Path, model: str | None) -> tuple[dict, nn.Module
         "ac": dist.activation_checkpointing,
         "accelerate_config": dist.accelerate_config,
     }
-    return settings, built
+    return settings, built, plan
 
 
 def _has_adapter(model: nn.Module) -> bool:

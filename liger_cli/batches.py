@@ -1,0 +1,43 @@
+"""Which examples each rank trains on at each step: a pure function of (seed, step, rank).
+
+Why the batches are indexed by step rather than drawn from a DataLoader iterator: a resumed run
+sees exactly the batches an uninterrupted run would, and every rank of a multi-process run gets its
+own slice of the same global batch that a one-process run would train on.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from liger_cli.recipe import TrainingSection
+
+
+@dataclass
+class StepBatches:
+    """Global batch order: epoch e is a seeded permutation; micro-batch g of the run is a slice of it."""
+
+    size: int
+    micro_batch_size: int
+    world: int
+    rank: int
+    seed: int
+
+    @property
+    def micro_per_epoch(self) -> int:
+        """Micro-batches per rank per epoch (the incomplete global tail is dropped, so ranks stay in step)."""
+        return self.size // (self.micro_batch_size * self.world)
+
+    def indices(self, g: int) -> list[int]:
+        epoch, k = divmod(g, self.micro_per_epoch)
+        order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + epoch))
+        start = (k * self.world + self.rank) * self.micro_batch_size
+        return order[start : start + self.micro_batch_size].tolist()
+
+
+def total_steps(training: TrainingSection, batches: StepBatches) -> int:
+    if training.max_steps:
+        return training.max_steps
+    return max(1, math.ceil((training.epochs or 1) * batches.micro_per_epoch / training.grad_accum))

@@ -1,0 +1,128 @@
+"""Every edit liger makes to accelerate's and DeepSpeed's process-wide state, in one place.
+
+accelerate keeps its state in process-wide singletons and reads `ACCELERATE_USE_*` and
+`FSDP_TRANSFORMER_CLS_TO_WRAP` from the environment; DeepSpeed picks its accelerator from
+`DS_ACCELERATOR` and its compiled ops from one module-level table; FSDP-1 hides the sizes we check
+in private attributes. On a CPU accelerate silently runs DDP where FSDP or DeepSpeed was asked for
+(see docs/fsdp-facts.md#launching-on-a-cpu), so a few of these must be set by hand. Nothing
+outside this module touches them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, MutableMapping
+
+BACKEND_ENV = ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED")
+WRAP_ENV = "FSDP_TRANSFORMER_CLS_TO_WRAP"
+_REPLACED = "_liger_replaced_type"
+
+
+def set_deepspeed_accelerator(device: str) -> None:
+    """Tell DeepSpeed (when accelerate imports it) its accelerator, rather than let it guess."""
+    os.environ.setdefault("DS_ACCELERATOR", device)
+
+
+def child_env(cpu: bool, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of `accelerate launch`'s ranks: each builds its backend from the recipe, so
+    stale accelerate settings must not leak in; on a CPU, ACCELERATE_USE_CPU gives real gloo groups."""
+    env = dict(os.environ)
+    if cpu:
+        env["ACCELERATE_USE_CPU"] = "1"
+    for key in (*BACKEND_ENV, "ACCELERATE_CONFIG_FILE"):
+        env.pop(key, None)
+    env.update(extra or {})
+    return env
+
+
+def accelerate_env(classes: Iterable[str] | object, env: MutableMapping[str, str] | None = None) -> None:
+    """Make FSDP_TRANSFORMER_CLS_TO_WRAP agree with the resolved wrap classes before accelerate reads it.
+
+    accelerate 1.15 splits the variable with a bare `split(",")`, so "" or "LlamaDecoderLayer," fail
+    (see docs/field-failures.md#empty-wrap-class-names), and child processes inherit the value. We
+    write the clean comma-joined list, or remove the variable when there is nothing to wrap. Takes
+    the class names, or anything with a `.classes` list (a WrapResolution).
+    """
+    env = os.environ if env is None else env
+    names = list(getattr(classes, "classes", classes))
+    if names:
+        env[WRAP_ENV] = ",".join(names)
+    else:
+        env.pop(WRAP_ENV, None)
+
+
+def reset_for_new_run() -> None:
+    """Give the next Accelerator a clean slate, even after another run in this process.
+
+    accelerate's state is a process-wide singleton, a plugin sets ACCELERATE_USE_* for every later
+    Accelerator, an earlier CPU run may have overridden the distributed type, and transformers
+    loads under ZeRO-3 while a DeepSpeed config is registered.
+    """
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    AcceleratorState._reset_state(reset_partial_state=False)
+    GradientState._reset_state()
+    if _REPLACED in PartialState._shared_state:  # undo the CPU override of an earlier run
+        PartialState._shared_state["distributed_type"] = PartialState._shared_state.pop(_REPLACED)
+    for key in BACKEND_ENV:
+        os.environ.pop(key, None)
+    unset_hf_deepspeed_config()
+
+
+def force_distributed_type_on_cpu(kind: str) -> object:
+    """Make accelerate run `kind` ("FSDP" | "DEEPSPEED") on a CPU, where it would silently run DDP.
+
+    Both singletons are set, as accelerate itself does on a GPU: a later AcceleratorState() copies
+    PartialState's values over its own. Returns the AcceleratorState.
+    """
+    import torch
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    state = AcceleratorState()
+    PartialState._shared_state[_REPLACED] = state.distributed_type
+    for shared in (PartialState._shared_state, AcceleratorState._shared_state):
+        shared["distributed_type"], shared["device"] = DistributedType[kind], torch.device("cpu")
+    return state
+
+
+def keep_fsdp_plugin_on_cpu(state, plugin, precision: str) -> None:
+    """accelerate drops the FSDP plugin on a CPU: give it back (and its mixed precision)."""
+    state.fsdp_plugin = plugin
+    if precision != "fp32":
+        plugin.set_mixed_precision(precision)
+
+
+def keep_deepspeed_on_cpu(state, plugin, accelerator) -> None:
+    """Select the DeepSpeed plugin on a CPU, as accelerate does only on GPUs.
+
+    DeepSpeed's CPU communication layer JIT-compiles a shared-memory op on first use (about 95 s on 2
+    cores) that only inference uses: marking it incompatible in DeepSpeed's op table makes it fall
+    back to gloo (see docs/fsdp-facts.md#deepspeed-on-a-cpu). `select()` registers the config with
+    transformers (HfDeepSpeedConfig), so from_pretrained loads under ZeRO-3's init context.
+    """
+    import deepspeed
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="gloo")  # wraps the existing gloo group
+    plugin.set_mixed_precision(state._mixed_precision)
+    plugin.select(_from_accelerator_state=True)
+    state.deepspeed_plugins = plugin
+    state._mixed_precision = "no"
+    accelerator.deepspeed_engine_wrapped = None
+
+
+def fsdp1_shard_sizes(unit) -> tuple[int, int] | None:
+    """(local, full) parameter counts of an FSDP-1 unit's flat parameter; None if it has none.
+
+    The local shard is padded to a multiple of the world size."""
+    flat = getattr(unit, "_flat_param", None)
+    if flat is None:
+        return None
+    return flat.numel(), flat._unpadded_unsharded_size.numel()
+
+
+def clean_parameter_name(name: str) -> str:
+    """A parameter name without the wrapper modules FSDP and checkpointing insert."""
+    return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")

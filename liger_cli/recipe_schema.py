@@ -1,0 +1,249 @@
+"""The recipe's schema: every section and key, its type, default and limits (pydantic models).
+
+Every key is checked (`extra="forbid"`); `recipe.py` reads the YAML file, applies `--set`
+overrides and turns validation errors into one line naming the key and its line.
+
+Relative paths resolve against the recipe file's folder, so a recipe works from any directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+
+def _resolve(value: Path | None, info: ValidationInfo) -> Path | None:
+    """Anchor a relative path at the recipe's folder (passed as validation context)."""
+    if value is None:
+        return None
+    value = value.expanduser()
+    base = (info.context or {}).get("base_dir")
+    if not value.is_absolute() and base is not None:
+        value = Path(base) / value
+    return Path(value).resolve() if value.is_absolute() else value
+
+
+RelPath = Annotated[Path, AfterValidator(_resolve)]
+
+
+def _split_names(value: Any) -> Any:
+    """`"A, B,"` and `["A", " B "]` both mean ["A", "B"]: trimmed, empties dropped, de-duplicated."""
+    if value is None:
+        return None
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, list):
+        return value  # let pydantic report the wrong type
+    names: list[str] = []
+    for item in items:
+        if isinstance(item, str) and item.strip() and item.strip() not in names:
+            names.append(item.strip())
+        elif not isinstance(item, str):
+            return value
+    return names or None
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(_Section):
+    path: RelPath | None = None
+    """A local Hugging Face model folder (config.json + weights)."""
+    config: RelPath | None = None
+    """A config.json to build the model from scratch (random initialisation)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    attn_implementation: str | None = None
+    trust_remote_code: bool = False
+    tokenizer: RelPath | None = None
+    load_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Passed to from_pretrained untouched (see docs/field-failures.md#zero-3-loading-drops-an-argument)."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSection:
+        if (self.path is None) == (self.config is None):
+            raise ValueError(
+                "set exactly one of model.path (a local model folder) or model.config (a config.json)"
+            )
+        if self.config is not None and self.tokenizer is None:
+            raise ValueError(
+                "model.config builds a model from scratch and has no tokenizer: set model.tokenizer"
+            )
+        return self
+
+
+class AdapterSection(_Section):
+    type: Literal["lora", "dora", "none"] = "lora"
+    r: int = Field(16, ge=1)
+    alpha: float = Field(32.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: str | list[str] = "all-linear"
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _targets(cls, value: Any) -> Any:
+        if value == "all-linear":
+            return value
+        names = _split_names(value)
+        if not isinstance(names, list):
+            raise ValueError(
+                f"got {value!r}; use all-linear or a list of module names, for example [q_proj, v_proj]"
+            )
+        return names
+
+
+class DataSection(_Section):
+    train: RelPath
+    eval: RelPath | None = None
+    eval_fraction: float | None = Field(None, gt=0, lt=1)
+    format: Literal["text", "instruction", "chat"] = "text"
+    max_seq_len: int = Field(1024, ge=8)
+    packing: bool = False
+    learn_turns: Literal["all", "last"] = "all"
+    """chat: learn every assistant turn, or only the last one (earlier turns become context)."""
+    learn_reasoning: bool = True
+    """chat: learn the <think>...</think> blocks of assistant turns, or mask them out of the loss."""
+
+    @model_validator(mode="after")
+    def _one_eval(self) -> DataSection:
+        if self.eval is not None and self.eval_fraction is not None:
+            raise ValueError("set at most one of data.eval and data.eval_fraction")
+        if self.format != "chat" and (self.learn_turns != "all" or not self.learn_reasoning):
+            raise ValueError(
+                "data.learn_turns and data.learn_reasoning apply to format: chat only; remove them or "
+                "set data.format: chat"
+            )
+        return self
+
+
+class TrainingSection(_Section):
+    max_steps: int | None = Field(None, ge=1)
+    epochs: float | None = Field(None, gt=0)
+    micro_batch_size: int = Field(1, ge=1)
+    grad_accum: int = Field(1, ge=1)
+    lr: float = Field(2e-4, gt=0)
+    scheduler: Literal[
+        "linear",
+        "cosine",
+        "cosine_with_restarts",
+        "polynomial",
+        "constant",
+        "constant_with_warmup",
+        "inverse_sqrt",
+    ] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float | None = Field(1.0, ge=0)
+    seed: int = 42
+    eval_every: int | None = Field(None, ge=1)
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+
+    @model_validator(mode="after")
+    def _one_length(self) -> TrainingSection:
+        if self.max_steps is not None and self.epochs is not None:
+            raise ValueError("set only one of training.max_steps and training.epochs")
+        return self
+
+
+class KernelsSection(_Section):
+    rms_norm: bool = True
+    rope: bool = True
+    swiglu: bool = True
+    cross_entropy: bool = False
+    fused_linear_cross_entropy: bool = True
+
+    @model_validator(mode="after")
+    def _one_loss(self) -> KernelsSection:
+        if self.cross_entropy and self.fused_linear_cross_entropy:
+            raise ValueError(
+                "kernels.cross_entropy and kernels.fused_linear_cross_entropy are mutually exclusive: "
+                "keep fused_linear_cross_entropy (it never builds the full logits) or set it to false"
+            )
+        return self
+
+
+class FsdpSection(_Section):
+    wrap_classes: list[str] | None = None
+    sharding: Literal["full", "shard_grad_op", "hybrid", "no_shard"] = "full"
+    cpu_offload: bool = False
+
+    _normalise = field_validator("wrap_classes", mode="before")(classmethod(lambda cls, v: _split_names(v)))
+
+
+class DistributedSection(_Section):
+    backend: Literal["none", "ddp", "fsdp1", "fsdp2", "deepspeed"] = "none"
+    num_processes: int = Field(1, ge=1)
+    num_machines: int = Field(1, ge=1)
+    machine_rank: int = Field(0, ge=0)
+    main_process_ip: str | None = None
+    main_process_port: int = Field(29500, ge=1, le=65535)
+    accelerate_config: RelPath | None = None
+    fsdp: FsdpSection = Field(default_factory=FsdpSection)
+    zero_stage: Literal[2, 3] = 3
+    activation_checkpointing: Literal["off", "auto", "reentrant", "non_reentrant"] = "off"
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DistributedSection:
+        if self.backend == "none" and (self.num_processes > 1 or self.num_machines > 1):
+            raise ValueError(
+                f"distributed.backend is none but {self.num_processes} process(es) on {self.num_machines} "
+                "machine(s) were asked for: set distributed.backend to ddp, fsdp1, fsdp2 or deepspeed"
+            )
+        if self.machine_rank >= self.num_machines:
+            raise ValueError(
+                f"distributed.machine_rank {self.machine_rank} must be below num_machines {self.num_machines}"
+            )
+        if self.num_machines > 1 and not self.main_process_ip:
+            raise ValueError(
+                "distributed.num_machines > 1 needs distributed.main_process_ip (the rank-0 machine)"
+            )
+        return self
+
+
+class OutputSection(_Section):
+    dir: RelPath = Path("runs/default")
+    save_every: int | None = Field(None, ge=1)
+    resume: str = "never"
+    """auto (latest complete checkpoint in dir), never, or a checkpoint folder."""
+    overwrite: bool = False
+
+    @field_validator("resume")
+    @classmethod
+    def _resume(cls, value: str, info: ValidationInfo) -> str:
+        if value in ("auto", "never"):
+            return value
+        path = Path(value).expanduser()
+        base = (info.context or {}).get("base_dir")
+        if not path.is_absolute() and base is not None:
+            path = Path(base) / path
+        return str(path.resolve())
+
+
+class LoggingSection(_Section):
+    every: int = Field(10, ge=1)
+    tensorboard: bool = True
+    jsonl: bool = True
+
+
+class Recipe(_Section):
+    model: ModelSection
+    adapter: AdapterSection = Field(default_factory=AdapterSection)
+    data: DataSection
+    training: TrainingSection = Field(default_factory=TrainingSection)
+    kernels: KernelsSection = Field(default_factory=KernelsSection)
+    distributed: DistributedSection = Field(default_factory=DistributedSection)
+    output: OutputSection = Field(default_factory=OutputSection)
+    logging: LoggingSection = Field(default_factory=LoggingSection)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
