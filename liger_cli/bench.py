@@ -61,7 +61,7 @@ def variant_overrides(variant: str, steps: int, warmup: int, out_dir: Path) -> l
 
 
 def _enabled_kernels(recipe: Recipe) -> list[str]:
-    return [name for name, on in recipe.kernels.model_dump().items() if on]
+    return [name for name, on in recipe.kernels.requested().items() if on]
 
 
 def _memory_note(device: str, num_processes: int) -> str:

@@ -12,8 +12,10 @@ model's size (`python bench/kernel_check.py` measures a 70B-class config).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -137,6 +139,21 @@ def compare_kernels(
     return wrong, crashed, report.lines()
 
 
+@contextlib.contextmanager
+def _quiet():
+    """No library warnings or notices from building and running the twin (they are not about the run)."""
+    from transformers.utils import logging
+
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.set_verbosity(verbosity)
+
+
 def check_kernels(
     config,
     requested: dict[str, bool],
@@ -163,8 +180,9 @@ def check_kernels(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensors: more threads only add synchronisation
     try:
-        batch = tiny_batch(build())
-        wrong, crashed, report = compare_kernels(build, batch, requested)
+        with torch.random.fork_rng(devices=[]), _quiet():  # the run's own RNG and console stay as they were
+            batch = tiny_batch(build())
+            wrong, crashed, report = compare_kernels(build, batch, requested)
     except TinyModelError as err:
         return KernelCheck(requested, not_run=f"no tiny twin: {err}", seconds=time.perf_counter() - start)
     finally:

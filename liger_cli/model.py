@@ -166,6 +166,22 @@ def patch_kernels(model: nn.Module, plan: Plan) -> tuple[str, ...]:
     return tuple(report.lines())
 
 
+def twin_adapter(recipe: Recipe):
+    """For the kernel check's tiny twin: the recipe's adapter with random (not zero) LoRA B, so the
+    adapter's path changes the outputs and its gradients are compared too; None without an adapter."""
+    if recipe.adapter.type == "none":
+        return None
+    from peft import get_peft_model
+
+    config = _peft_config(recipe)
+    config.init_lora_weights = False
+
+    def add(model: nn.Module) -> nn.Module:
+        return get_peft_model(model, config)
+
+    return add
+
+
 def build_meta_model_for(recipe: Recipe) -> nn.Module:
     """The recipe's model and adapter on the meta device: structure only, no weights read."""
     m = recipe.model

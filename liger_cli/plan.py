@@ -109,9 +109,14 @@ def build_plan(recipe: Recipe, model: nn.Module | None = None, env: Mapping[str,
     world = dist.num_processes * dist.num_machines
     t = recipe.training
     ac_mode, ac_reason = _activation_checkpointing(recipe, backend)
-    kernels = recipe.kernels.model_dump()
+    kernels = recipe.kernels.requested()
+    kernels_off: dict[str, str] = {}
     m = recipe.model
     notes: list[str] = []
+    if recipe.kernels.check and any(kernels.values()):
+        check = _check_kernels(recipe, kernels)
+        kernels, kernels_off = check.kernels, check.switched_off
+        notes += check.lines()
     wrap_classes = wrap_source = None
     if backend.fsdp_version:
         model = build_meta_model_for(recipe) if model is None else model
@@ -129,6 +134,7 @@ def build_plan(recipe: Recipe, model: nn.Module | None = None, env: Mapping[str,
         model=f"{m.path} (from_pretrained)" if m.path else f"{m.config} (from_config, random init)",
         adapter=_adapter(recipe),
         kernels=kernels,
+        kernels_off=kernels_off,
         activation_checkpointing=ac_mode,
         activation_checkpointing_reason=ac_reason,
         global_batch=t.micro_batch_size * t.grad_accum * world,
@@ -137,6 +143,16 @@ def build_plan(recipe: Recipe, model: nn.Module | None = None, env: Mapping[str,
         wrap_source=wrap_source,
         notes=tuple(notes),
     )
+
+
+def _check_kernels(recipe: Recipe, kernels: dict[str, bool]):
+    """Each requested kernel on a tiny twin of the recipe's model (liger_cli.kernel_check)."""
+    from liger_cli.kernel_check import check_kernels
+    from liger_cli.model import read_config, twin_adapter
+
+    m = recipe.model
+    config = read_config(m.path or m.config, m.trust_remote_code)
+    return check_kernels(config, kernels, m.trust_remote_code, add_adapter=twin_adapter(recipe))
 
 
 def _precision(recipe: Recipe, device: str) -> str:

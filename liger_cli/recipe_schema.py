@@ -161,6 +161,12 @@ class KernelsSection(_Section):
     swiglu: bool = True
     cross_entropy: bool = False
     fused_linear_cross_entropy: bool = True
+    check: bool = True
+    """Before training, compare each kernel on a tiny twin of the model and switch off any that disagrees."""
+
+    def requested(self) -> dict[str, bool]:
+        """The kernels asked for: name -> on (the `check` switch is not a kernel)."""
+        return {name: on for name, on in self.model_dump().items() if name != "check"}
 
     @model_validator(mode="after")
     def _one_loss(self) -> KernelsSection:

@@ -31,10 +31,9 @@ def test_agreeing_kernels_stay_on():
     assert "swiglu: patched 2 modules (LlamaMLP)" in check.twin_report
 
 
-def test_a_kernel_that_changes_the_math_is_switched_off(monkeypatch):
-    # A SwiGLU kernel 0.1% off. patch_model's probes use the kernel too and would refuse it, so the
-    # fault starts only once patching is done: the check must catch it on the twin's gradients and
-    # switch off that kernel alone.
+def break_swiglu_after_patching(monkeypatch):
+    """A SwiGLU kernel 0.1% off. patch_model's probes use the kernel too and would refuse it, so the
+    fault starts only once patching is done, as a fault the probes cannot see would."""
     import liger_kernels
 
     real_swiglu, real_patch_model = liger_kernels.patch_swiglu.swiglu, liger_kernels.patch_model
@@ -51,6 +50,11 @@ def test_a_kernel_that_changes_the_math_is_switched_off(monkeypatch):
 
     monkeypatch.setattr(liger_kernels.patch_swiglu, "swiglu", swiglu)
     monkeypatch.setattr(liger_kernels, "patch_model", patch_model)
+
+
+def test_a_kernel_that_changes_the_math_is_switched_off(monkeypatch):
+    # The check must catch the fault on the twin's gradients and switch off that kernel alone.
+    break_swiglu_after_patching(monkeypatch)
     check = check_kernels(AutoConfig.for_model("llama"), ALL_ON)
     assert set(check.switched_off) == {"swiglu"}, check.switched_off
     assert "differs" in check.switched_off["swiglu"]
@@ -166,3 +170,73 @@ def test_fused_forward_refuses_at_run_time_what_it_cannot_reproduce(remote_model
     model.train()
     with pytest.raises(liger_kernels.patch_loss.LogitsTransformed):
         model(**tiny_batch(model))
+
+
+def test_remote_code_run_trains_the_same_with_kernels_on_and_off(remote_model_dir, tmp_path):
+    """`liger train` on a trusted remote-code model with an MLP multiplier and a logit multiplier: the
+    losses and the adapter equal those of a run with every kernel off, and the run says what it left."""
+    import json
+
+    from safetensors.torch import load_file
+    from test_train import liger, recipe_text
+
+    runs = {}
+    for name, kernels in {
+        "on": "{rms_norm: true, rope: true, swiglu: true, fused_linear_cross_entropy: true}",
+        "off": "{rms_norm: false, rope: false, swiglu: false, fused_linear_cross_entropy: false}",
+    }.items():
+        recipe = tmp_path / f"{name}.yaml"
+        recipe.write_text(
+            recipe_text(
+                remote_model_dir,
+                tmp_path / name,
+                model=f"{{path: {remote_model_dir}, trust_remote_code: true}}",
+                kernels=kernels,
+                training="{max_steps: 3, micro_batch_size: 4, grad_accum: 1, lr: 5.0e-3, eval_every: 3}",
+            )
+        )
+        done = liger("train", str(recipe))
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[name] = (done.stdout, tmp_path / name)
+
+    def losses(out):
+        return [
+            r["loss"]
+            for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r
+        ]
+
+    assert len(losses(runs["on"][1])) == 3
+    torch.testing.assert_close(losses(runs["on"][1]), losses(runs["off"][1]), rtol=1e-5, atol=1e-6)
+    on = load_file(runs["on"][1] / "final" / "adapter_model.safetensors")
+    off = load_file(runs["off"][1] / "final" / "adapter_model.safetensors")
+    assert on.keys() == off.keys() and on
+    for key in on:
+        torch.testing.assert_close(on[key], off[key], rtol=1e-4, atol=1e-6)
+
+    plan = (runs["on"][1] / "plan.txt").read_text()
+    assert "swiglu: not patched: ScaledLlamaMLP.forward is not down(silu(gate(x)) * up(x))" in plan
+    assert "fused_linear_cross_entropy: patched 1 module (ScaledLlamaForCausalLM)" in plan
+    assert "kernel check: one step on a tiny twin, patched vs unpatched" in plan
+    assert "kernel check" in runs["on"][0] and "ScaledLlamaMLP" in runs["on"][0]  # the run log says it too
+
+
+def test_the_plan_says_which_kernel_the_check_switched_off(monkeypatch, tiny_model_dir, tmp_path):
+    from liger_cli.plan import build_plan
+    from liger_cli.recipe import load_recipe
+    from test_train import recipe_text
+
+    recipe_path = tmp_path / "r.yaml"
+    recipe_path.write_text(recipe_text(tiny_model_dir, tmp_path / "out"))
+    break_swiglu_after_patching(monkeypatch)
+    plan = build_plan(load_recipe(recipe_path))
+    assert plan.kernels["swiglu"] is False and plan.kernels["rms_norm"] is True
+    assert set(plan.kernels_off) == {"swiglu"}
+    rendered = plan.render()
+    assert "kernels off" in rendered and "differs" in rendered.split("kernels off")[1].splitlines()[0]
+    assert "note: kernel check: one step on a tiny twin" in rendered and "switched off swiglu" in rendered
+    assert not (tmp_path / "out").exists()  # planning writes nothing
+
+    # And with the check off in the recipe, the kernel stays as requested.
+    off = build_plan(load_recipe(recipe_path, ["kernels.check=false"]))
+    assert off.kernels["swiglu"] is True and off.kernels_off == {}
