@@ -222,9 +222,10 @@ def test_remote_code_run_trains_the_same_with_kernels_on_and_off(remote_model_di
 
 
 def test_the_plan_says_which_kernel_the_check_switched_off(monkeypatch, tiny_model_dir, tmp_path):
+    from test_train import recipe_text
+
     from liger_cli.plan import build_plan
     from liger_cli.recipe import load_recipe
-    from test_train import recipe_text
 
     recipe_path = tmp_path / "r.yaml"
     recipe_path.write_text(recipe_text(tiny_model_dir, tmp_path / "out"))
