@@ -39,7 +39,7 @@ def _describe_activation(module: nn.Module) -> str | None:
     """'act_fn is GELUTanh, not SiLU' when the module names a non-SiLU activation: a clearer reason."""
     for name in ("act_fn", "activation_fn", "act"):
         act = getattr(module, name, None)
-        if act is None or callable(act) is False:
+        if act is None or not callable(act):
             continue
         label = type(act).__name__ if isinstance(act, nn.Module) else getattr(act, "__name__", "")
         if isinstance(act, nn.SiLU) or "silu" in label.lower() or "swish" in label.lower():
@@ -173,7 +173,8 @@ def _patch_experts(module: nn.Module, cache: dict):
         return _describe_activation(module) or f"{name}._apply_gate is not silu(gate) * up on probes"
     implementation = getattr(getattr(module, "config", None), "_experts_implementation", None)
     forward = getattr(type(module).forward, "__wrapped__", type(module).forward)
-    if implementation in (None, "eager") and "_apply_gate" not in forward.__code__.co_names:
+    names = getattr(getattr(forward, "__code__", None), "co_names", ())
+    if implementation in (None, "eager") and "_apply_gate" not in names:
         return f"{name} runs its eager loop, which does not call _apply_gate (experts_implementation=eager)"
     module._apply_gate = types.MethodType(_ours_apply_gate, module)
     return True
