@@ -83,7 +83,7 @@ def worker(
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
         baseline = _status_mib("VmRSS")
     times, loss = [], None
-    for _ in range(repeats + 1):  # the first pass warms up
+    for _ in range(repeats + 1):  # the first pass warms up (and is the one timed when repeats is 0)
         hidden.grad = weight.grad = None
         start = time.perf_counter()
         loss = float(step())
@@ -94,7 +94,7 @@ def worker(
     grad_norms = [float(hidden.grad.norm())] + (
         [float(weight.grad.norm())] if weight.grad is not None else []
     )
-    return {"peak_mib": peak, "seconds": min(times[1:]), "loss": loss, "grad_norms": grad_norms}
+    return {"peak_mib": peak, "seconds": min(times[1:] or times), "loss": loss, "grad_norms": grad_norms}
 
 
 def floor_mib(size: str, lm_head: str, dtype: str) -> float:

@@ -9,6 +9,8 @@ and the relative error norm (values flushed to zero, or lost precision, move it)
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported (also in conftest.py)
 
@@ -119,6 +121,16 @@ def test_second_backward_raises_a_clear_error(kernel_backend):
 
 @pytest.mark.parametrize("bad", [VOCAB, VOCAB + 1000, -5])
 def test_labels_outside_the_vocabulary_raise(kernel_backend, bad):
+    if DEVICE == "cuda":  # a device-side assert ends the CUDA context: check it in a process of its own
+        code = (
+            "import torch; from liger_kernels import fused_linear_cross_entropy as f\n"
+            f"labels = torch.zeros(8, dtype=torch.long, device='cuda'); labels[3] = {bad}\n"
+            "h, w = torch.randn(8, 16, device='cuda'), torch.randn(100, 16, device='cuda')\n"
+            "f(h, w, labels); torch.cuda.synchronize()"
+        )
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        assert done.returncode != 0 and "assert" in done.stderr.lower(), done.stderr[-2000:]
+        return
     low, _, labels = inputs(torch.float32)
     labels[7] = bad
     with pytest.raises(RuntimeError, match=rf"labels must be in \[0, {VOCAB}\)"):
