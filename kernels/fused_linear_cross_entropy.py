@@ -2,20 +2,24 @@
 holding the full [tokens, vocab] logits.
 
 Why: at 4096 tokens and a 128k vocabulary the fp32 logits alone are 2 GB, and eager autograd keeps
-several tensors of that size. FLCE walks the tokens in chunks. For each chunk it computes the logits,
-turns them in place into d loss / d logits, and immediately uses them for grad_hidden (d @ W) and
-grad_weight (+= d.T @ h, accumulated in fp32). So the gradients are computed during the forward, and
-besides them the only large temporary is one chunk of logits, sized by `chunk_rows_for` from the
-call (a few tens of MiB on a CPU), so the loss costs little more than the gradients it returns.
+several tensors of that size. FLCE computes the gradients during the forward, a piece of the logits
+at a time, so besides the gradients it returns (grad_hidden, and grad_weight when lm_head trains)
+it holds one piece of logits, sized from the call (CHUNK_BYTES per device type).
 
-Numerics: the chunk gradients are left unscaled (softmax minus one-hot, values in [-1, 1]) when they
-are cast to a low-precision dtype for the matmuls. The mean's 1/N and the upstream gradient (a
-GradScaler's 65536, say) are applied in the backward as one fp32 factor, to both grad_hidden and
-grad_weight, before their single cast back to the inputs' dtype. So nothing small is flushed to zero
-in fp16, grad_output is never cast to fp16, and both gradients carry exactly the same scale.
+Two paths, because a CPU and a GPU want different pieces:
+- PyTorch (CPU): blocks of the vocabulary, all tokens at once, so every matmul has large, efficient
+  shapes (token chunks would make the BLAS repack the whole weight once per chunk, twice as slow).
+  A frozen lm_head needs one pass (an online softmax, as in flash attention); a trainable one two
+  (log-sum-exp first, then the gradients, grad_weight written once per block).
+- Triton (CUDA): chunks of tokens; our cross-entropy kernel turns each chunk's logits into their
+  gradient in place, then cuBLAS feeds both weight-sized matmuls. Nothing is computed twice.
 
-The chunk's softmax and gradient run in our Triton cross-entropy kernel on CUDA, and as in-place
-PyTorch ops elsewhere; the matmuls are torch's (cuBLAS / the CPU BLAS) in both paths.
+Numerics: the logits' gradients are left unscaled (softmax minus one-hot, values in [-1, 1]) when
+they are cast to a low-precision dtype for the matmuls. The mean's 1/N and the upstream gradient (a
+GradScaler's 65536, say) are applied in the backward as one fp32 factor, to grad_hidden and
+grad_weight alike, before their cast back to the inputs' dtype. So nothing small is flushed to zero
+in fp16, grad_output is never cast to fp16, and both gradients carry exactly the same scale. Labels
+are checked on the device (no host synchronisation); the forward never waits on the host.
 """
 
 from __future__ import annotations
