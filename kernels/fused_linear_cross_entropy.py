@@ -132,41 +132,43 @@ def _forward_torch(h2d, weight, bias, target, valid, label_smoothing, block, gra
     loss = torch.where(valid, loss, 0.0)
     if not any(grads):
         return loss, None, None, None
-    row_mask = valid.unsqueeze(1)
 
     grad_hidden = grad_weight = grad_bias = None
     if one_pass:  # softmax @ W minus the (smoothed) one-hot target @ W
         grad_hidden = acc.div_(sum_exp.unsqueeze(1))
-        grad_hidden.sub_(weight[target].float(), alpha=1.0 - label_smoothing)
+        for r0 in range(0, n_rows, 1024):  # W[target] a piece at a time: no [rows, hidden] temporary
+            grad_hidden[r0 : r0 + 1024].sub_(
+                weight[target[r0 : r0 + 1024]].float(), alpha=1.0 - label_smoothing
+            )
         if label_smoothing > 0:
             grad_hidden.sub_(weight.sum(0, dtype=torch.float32) * (label_smoothing / vocab))
-        return loss, grad_hidden.mul_(row_mask), None, None
+        return loss, grad_hidden.mul_(valid.unsqueeze(1)), None, None
 
     if need_hidden:
         grad_hidden = torch.zeros(h2d.shape, dtype=torch.float32, device=h2d.device)
     if need_weight:
         grad_weight = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
-        h_used = h2d * row_mask  # ignored rows add nothing to grad_weight
     if need_bias:
         grad_bias = torch.empty(vocab, dtype=torch.float32, device=weight.device)
-        valid_f = valid.to(torch.float32)
+    # An ignored row's log-sum-exp is +inf, so its probabilities, hence its gradient, come out 0.
+    lse = torch.where(valid, lse, float("inf")).unsqueeze(1)
+    smooth = torch.where(valid, label_smoothing / vocab, 0.0).unsqueeze(1) if label_smoothing > 0 else None
     for v0, v1, w, logits, in_block, column in blocks:
-        logits.sub_(lse.unsqueeze(1)).exp_()
-        logits.scatter_add_(1, column, torch.where(in_block, label_smoothing - 1.0, 0.0).unsqueeze(1))
-        if label_smoothing > 0:
-            logits.sub_(label_smoothing / vocab)
+        logits.sub_(lse).exp_()
+        one_hot = torch.where(in_block & valid, label_smoothing - 1.0, 0.0).unsqueeze(1)
+        logits.scatter_add_(1, column, one_hot)
+        if smooth is not None:
+            logits.sub_(smooth)
         if grad_hidden is not None:
             _add_matmul(grad_hidden, logits, w)
         if grad_weight is not None:
             if w.dtype == torch.float32:
-                torch.mm(logits.t(), h_used, out=grad_weight[v0:v1])
+                torch.mm(logits.t(), h2d, out=grad_weight[v0:v1])
             else:
-                grad_weight[v0:v1] = torch.mm(logits.t().to(w.dtype), h_used)
+                grad_weight[v0:v1] = torch.mm(logits.t().to(w.dtype), h2d)
         if grad_bias is not None:
-            grad_bias[v0:v1] = torch.mv(logits.t(), valid_f)
+            torch.sum(logits, 0, out=grad_bias[v0:v1])
         del logits
-    if grad_hidden is not None:
-        grad_hidden.mul_(row_mask)
     return loss, grad_hidden, grad_weight, grad_bias
 
 
