@@ -215,7 +215,17 @@ def _forward_triton(h2d, weight, bias, flat, valid, ignore_index, label_smoothin
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, chunk_rows, vocab_block
+        ctx,
+        hidden,
+        weight,
+        labels,
+        bias,
+        ignore_index,
+        reduction,
+        smoothing,
+        chunk_rows,
+        vocab_block,
+        grad_enabled,
     ):
         h2d = hidden.reshape(-1, hidden.shape[-1])
         flat = labels.reshape(-1)
@@ -223,17 +233,19 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         check_labels(flat, vocab, ignore_index)
         valid = flat != ignore_index
         n_valid = valid.sum() if reduction == "mean" else torch.ones((), dtype=torch.long, device=flat.device)
+        # Under torch.no_grad (evaluation) no gradient is computed, whatever requires_grad says.
         grads = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
+        grads = tuple(g and grad_enabled for g in grads)
         if use_triton(hidden):
             chunk_rows = chunk_rows or chunk_rows_for(n_rows, vocab, weight.dtype, weight.device)
             loss, grad_hidden, grad_weight, grad_bias = _forward_triton(
-                h2d, weight, bias, flat, valid, ignore_index, label_smoothing, chunk_rows, grads
+                h2d, weight, bias, flat, valid, ignore_index, smoothing, chunk_rows, grads
             )
         else:
             block = vocab_block or vocab_block_for(n_rows, vocab, weight.device)
             target = torch.where(valid, flat, 0)
             loss, grad_hidden, grad_weight, grad_bias = _forward_torch(
-                h2d, weight, bias, target, valid, label_smoothing, block, grads
+                h2d, weight, bias, target, valid, smoothing, block, grads
             )
         # The gradients are unscaled; the backward multiplies them by grad_output / N.
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias, n_valid)
@@ -265,7 +277,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             grad_weight = grad_weight.mul_(scale).to(weight_dtype)
         if grad_bias is not None:
             grad_bias = grad_bias.mul_(scale).to(bias_dtype)
-        return grad_hidden, grad_weight, None, grad_bias, None, None, None, None, None
+        return grad_hidden, grad_weight, None, grad_bias, None, None, None, None, None, None
 
 
 def fused_linear_cross_entropy(
@@ -311,4 +323,5 @@ def fused_linear_cross_entropy(
             float(label_smoothing),
             chunk_rows,
             vocab_block,
+            torch.is_grad_enabled(),
         )
