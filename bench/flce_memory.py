@@ -1,88 +1,115 @@
-"""Benchmark, not a test: peak memory and time of fused linear cross-entropy (FLCE) forward+backward
-against eager PyTorch (hidden @ weight.T, then F.cross_entropy), side by side.
+"""Benchmark, not a test: peak memory and time of the fused linear cross-entropy forward+backward
+against eager PyTorch and against torch's own chunked loss, with lm_head trainable and frozen.
 
-Each variant runs in a fresh subprocess, so one run's allocations cannot hide in another's peak. On
-the CPU, peak memory is the growth of the process's peak RSS (ru_maxrss) over its RSS once the inputs
-exist (torch's CPU allocator keeps no peak statistic); on CUDA it is torch.cuda.max_memory_allocated
-over the same baseline. Time is the best of --repeats forward+backward passes.
+Variants: `eager` (hidden @ weight.T, then F.cross_entropy), `ours` (liger_kernels'
+fused_linear_cross_entropy; its PyTorch path on a CPU) and `torch_chunked` (torch's
+F.linear_cross_entropy(..., options=torch.nn.LinearCrossEntropyOptions())). `frozen` is the LoRA
+case: lm_head.weight does not require grad, so only grad_hidden is returned.
 
-    python bench/flce_memory.py                        # 4096x2048x128256 and a smaller size, fp32, CPU
-    python bench/flce_memory.py --sizes 1024x1024x32000 --repeats 3
+The floor is what the loss must return: grad_hidden, plus grad_weight when lm_head trains. Target:
+`ours` within 64 MiB of it, at <= 0.8x eager's time and faster than torch_chunked.
+
+Each (size, lm_head, variant) runs in a fresh process. On the CPU, peak memory is the process's peak
+RSS (VmHWM, reset through /proc/self/clear_refs once the inputs exist) over its RSS at that moment;
+as in `liger train`, glibc serves blocks of 1 MiB and more with mmap, so freed tensors leave the
+RSS. On CUDA it is torch.cuda.max_memory_allocated over the same baseline. Time is the best of
+--repeats forward+backward passes after a warm-up pass (whose peak counts too).
+
+    python bench/flce_memory.py                                  # both default sizes, fp32, CPU
+    python bench/flce_memory.py --sizes 2048x1024x65536 --lm-head frozen --variants eager,ours
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
-import resource
+import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-DEFAULT_SIZES = ("4096x2048x128256", "1024x1024x32000")
-VARIANTS = ("eager", "flce")
+DEFAULT_SIZES = ("2048x1024x65536", "4096x2048x128256")
+VARIANTS = ("eager", "ours", "torch_chunked")
+LM_HEADS = ("trainable", "frozen")
+FLOOR_SLACK_MIB = 64
 
 
-def _rss_bytes() -> int:
-    import psutil
-
-    return psutil.Process().memory_info().rss
+def _status_mib(field: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def worker(
-    variant: str, tokens: int, hidden_size: int, vocab: int, dtype: str, device: str, repeats: int
+    variant: str, size: str, lm_head: str, dtype: str, device: str, repeats: int, chunk_rows: int | None
 ) -> dict:
     """Runs in the subprocess: build inputs, run the variant, return its peak growth and best time."""
+    cuda = device.startswith("cuda")
+    if not cuda and sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6").mallopt(-3, 2**20)  # M_MMAP_THRESHOLD = 1 MiB, as liger train sets
     import torch
     import torch.nn.functional as F
     from liger_kernels import fused_linear_cross_entropy
 
-    torch.manual_seed(0)
+    tokens, hidden_size, vocab = (int(n) for n in size.split("x"))
     torch_dtype = getattr(torch, dtype)
-    hidden = torch.randn(tokens, hidden_size, dtype=torch_dtype, device=device, requires_grad=True)
-    weight = (
-        torch.randn(vocab, hidden_size, dtype=torch_dtype, device=device) * hidden_size**-0.5
-    ).requires_grad_()
-    labels = torch.randint(0, vocab, (tokens,), device=device)
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(tokens, hidden_size, generator=g).to(device=device, dtype=torch_dtype)
+    hidden.requires_grad_()
+    weight = torch.randn(vocab, hidden_size, generator=g).mul_(hidden_size**-0.5)
+    weight = weight.to(device=device, dtype=torch_dtype).requires_grad_(lm_head == "trainable")
+    labels = torch.randint(0, vocab, (tokens,), generator=g).to(device)
     labels[: tokens // 10] = -100
 
     def step():
         if variant == "eager":
             loss = F.cross_entropy((hidden @ weight.t()).float(), labels)
+        elif variant == "ours":
+            loss = fused_linear_cross_entropy(hidden, weight, labels, chunk_rows=chunk_rows)
         else:
-            loss = fused_linear_cross_entropy(hidden, weight, labels)
+            options = torch.nn.LinearCrossEntropyOptions()
+            loss = F.linear_cross_entropy(hidden, weight, labels, options=options)
         loss.backward()
         return loss
 
-    cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        baseline = torch.cuda.memory_allocated()
+        baseline = torch.cuda.memory_allocated() / 2**20
     else:
-        baseline = _rss_bytes()
-    times, losses = [], []
-    for _ in range(repeats):
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+        baseline = _status_mib("VmRSS")
+    times, loss = [], None
+    for _ in range(repeats + 1):  # the first pass warms up (and is the one timed when repeats is 0)
         hidden.grad = weight.grad = None
         start = time.perf_counter()
-        losses.append(float(step()))
+        loss = float(step())
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    if cuda:
-        peak = torch.cuda.max_memory_allocated() - baseline
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline
-    return {"peak_bytes": peak, "seconds": min(times), "loss": losses[-1]}
+    peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda else _status_mib("VmHWM")) - baseline
+    grad_norms = [float(hidden.grad.norm())] + (
+        [float(weight.grad.norm())] if weight.grad is not None else []
+    )
+    return {"peak_mib": peak, "seconds": min(times[1:] or times), "loss": loss, "grad_norms": grad_norms}
 
 
-def run_variant(variant: str, size: str, args) -> dict:
+def floor_mib(size: str, lm_head: str, dtype: str) -> float:
     tokens, hidden_size, vocab = (int(n) for n in size.split("x"))
-    argv = [sys.executable, __file__, "--worker", variant, "--sizes", size, "--dtype", args.dtype]
-    argv += ["--device", args.device, "--repeats", str(args.repeats)]
+    element = 4 if dtype == "float32" else 2
+    return element * hidden_size * (tokens + (vocab if lm_head == "trainable" else 0)) / 2**20
+
+
+def run_variant(variant: str, size: str, lm_head: str, args) -> dict:
+    argv = [sys.executable, __file__, "--worker", variant, "--sizes", size, "--lm-head", lm_head]
+    argv += ["--dtype", args.dtype, "--device", args.device, "--repeats", str(args.repeats)]
+    argv += ["--chunk-rows", str(args.chunk_rows)] if args.chunk_rows else []
     done = subprocess.run(argv, capture_output=True, text=True)
     if done.returncode != 0:
-        raise SystemExit(f"{variant} at {size} failed:\n{done.stderr}")
+        raise SystemExit(f"{variant} at {size} ({lm_head}) failed:\n{done.stderr}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -91,33 +118,54 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--sizes", nargs="+", default=list(DEFAULT_SIZES), help="TOKENSxHIDDENxVOCAB")
+    parser.add_argument("--lm-head", default="both", choices=[*LM_HEADS, "both"])
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, eager first")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1, help="timed passes after the warm-up pass")
+    parser.add_argument("--chunk-rows", type=int, help="force ours' tokens per chunk (for tuning)")
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.worker:
-        tokens, hidden_size, vocab = (int(n) for n in args.sizes[0].split("x"))
-        print(
-            json.dumps(worker(args.worker, tokens, hidden_size, vocab, args.dtype, args.device, args.repeats))
+        result = worker(
+            args.worker, args.sizes[0], args.lm_head, args.dtype, args.device, args.repeats, args.chunk_rows
         )
+        print(json.dumps(result))
         return
 
-    header = f"{'BT x H x V':>22} {'variant':>7} {'peak MiB':>10} {'seconds':>9} {'loss':>10}"
-    print(f"device={args.device} dtype={args.dtype} repeats={args.repeats} (time: best of repeats)")
-    print(header)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    lm_heads = LM_HEADS if args.lm_head == "both" else (args.lm_head,)
+    print(
+        f"device={args.device} dtype={args.dtype} repeats={args.repeats} (time: best of repeats after a warm-up); "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
+    print(
+        f"{'BT x H x V':>18} {'lm_head':>9} {'variant':>13} {'peak MiB':>9} {'floor+':>7} {'seconds':>8} {'t/eager':>8} {'loss':>9}"
+    )
     for size in args.sizes:
-        results = {variant: run_variant(variant, size, args) for variant in VARIANTS}
-        for variant, r in results.items():
-            print(
-                f"{size:>22} {variant:>7} {r['peak_bytes'] / 2**20:>10.0f} {r['seconds']:>9.2f} {r['loss']:>10.5f}"
-            )
-        eager, flce = results["eager"], results["flce"]
-        print(
-            f"{size:>22} {'ratio':>7} {flce['peak_bytes'] / eager['peak_bytes']:>9.3f}x "
-            f"{flce['seconds'] / eager['seconds']:>8.3f}x   (flce / eager; target memory <= 0.25x, time <= 1.0x)"
-        )
+        for lm_head in lm_heads:
+            floor = floor_mib(size, lm_head, args.dtype)
+            results = {v: run_variant(v, size, lm_head, args) for v in variants}
+            eager = results.get("eager")
+            for variant, r in results.items():
+                ratio = f"{r['seconds'] / eager['seconds']:>7.2f}x" if eager else f"{'-':>8}"
+                print(
+                    f"{size:>18} {lm_head:>9} {variant:>13} {r['peak_mib']:>9.0f} {r['peak_mib'] - floor:>7.0f} "
+                    f"{r['seconds']:>8.2f} {ratio} {r['loss']:>9.5f}"
+                )
+            ours = results.get("ours")
+            if ours:
+                verdict = [
+                    f"floor {floor:.0f} MiB; ours {ours['peak_mib'] - floor:+.0f} MiB over it (target <= {FLOOR_SLACK_MIB})"
+                ]
+                if eager:
+                    verdict.append(f"time {ours['seconds'] / eager['seconds']:.2f}x eager (target <= 0.8x)")
+                if "torch_chunked" in results:
+                    verdict.append(
+                        f"{ours['seconds'] / results['torch_chunked']['seconds']:.2f}x torch_chunked (target < 1)"
+                    )
+                print(f"{'':>18} {'':>9} {'ours:':>13} " + "; ".join(verdict))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,9 @@
-"""Benchmark, not a test: each of our kernels against eager PyTorch, torch.compile and (on a GPU, when
-installed) Liger-Kernel, forward and forward+backward, over a sweep of sizes; time and peak memory to
-CSV and PNG.
+"""Benchmark, not a test: each of our kernels against its peers, forward and forward+backward, over a
+sweep of sizes; time and peak memory to CSV and PNG.
+
+Peers: eager PyTorch, torch.compile of it, torch's own chunked loss for the fused linear
+cross-entropy (F.linear_cross_entropy with options=torch.nn.LinearCrossEntropyOptions()), and on a
+GPU, when installed, Liger-Kernel (every kernel) and Apple's Cut Cross-Entropy (the fused loss).
 
 Eager is what a model runs without our kernels: transformers' LlamaRMSNorm and apply_rotary_pos_emb,
 silu(gate) * up, F.cross_entropy, and F.linear followed by F.cross_entropy for the fused loss. `ours`
@@ -39,7 +42,8 @@ import time
 from pathlib import Path
 
 KERNELS = ("rms_norm", "swiglu", "rope", "cross_entropy", "fused_linear_cross_entropy")
-VARIANTS = ("eager", "ours", "compile", "liger_kernel")
+VARIANTS = ("eager", "ours", "compile", "torch_chunked", "liger_kernel", "cut_cross_entropy")
+GPU_PEERS = {"liger_kernel": "liger_kernel", "cut_cross_entropy": "cut_cross_entropy"}  # variant: module
 MODES = ("forward", "forward_backward")
 
 # Sizes: rms_norm TOKENSxHIDDEN; swiglu TOKENSxINTERMEDIATE; rope BATCHxSEQxQ_HEADSxKV_HEADSxHEAD_DIM;
@@ -136,6 +140,10 @@ def make_case(kernel: str, size: str, dtype, device: str):
             "eager": lambda h, w: F.cross_entropy(F.linear(h, w).float(), labels),
             "ours": lambda h, w: ours.fused_linear_cross_entropy(h, w, labels),
             "liger_kernel": lambda h, w: _upstream().liger_fused_linear_cross_entropy(h, w, labels),
+            "torch_chunked": lambda h, w: F.linear_cross_entropy(
+                h, w, labels, options=torch.nn.LinearCrossEntropyOptions()
+            ),
+            "cut_cross_entropy": lambda h, w: _cut_cross_entropy()(h, w, labels),
         }
         grads = None
     else:
@@ -148,6 +156,13 @@ def _upstream():
     from liger_kernel.transformers import functional
 
     return functional
+
+
+def _cut_cross_entropy():
+    """Apple's Cut Cross-Entropy (ml-cross-entropy), used only on a GPU where it is installed."""
+    from cut_cross_entropy import linear_cross_entropy
+
+    return linear_cross_entropy
 
 
 # ------------------------------------------------------------------------------ memory and timing
@@ -260,7 +275,7 @@ def run_kernel(
             fns["compile"] = torch.compile(fns["eager"], dynamic=False)
         eager_value = None
         for mode in modes:
-            for variant in variants:
+            for variant in [v for v in variants if v in fns]:  # a peer only where it has this kernel
                 row = {
                     "kernel": kernel,
                     "size": size,
@@ -301,7 +316,13 @@ def _path(variant: str, device: str) -> str:
         from liger_kernels._backend import use_triton
 
         return "triton" if use_triton(torch.empty(0, device=device)) else "torch"
-    return {"eager": "torch", "compile": "inductor", "liger_kernel": "triton"}[variant]
+    return {
+        "eager": "torch",
+        "compile": "inductor",
+        "torch_chunked": "torch",
+        "liger_kernel": "triton",
+        "cut_cross_entropy": "triton",
+    }[variant]
 
 
 # ------------------------------------------------------------------------------ the driver
@@ -409,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--kernels", default="all", help=f"comma-separated, from {', '.join(KERNELS)}")
     parser.add_argument("--sizes", default="default", help="default, small, or sizes (one kernel only)")
-    parser.add_argument("--variants", default="eager,ours,compile,liger_kernel", help="comma-separated")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated")
     parser.add_argument("--modes", default="all", help="forward, forward_backward or all")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
@@ -428,8 +449,9 @@ def main(argv: list[str] | None = None) -> int:
     modes = _choose(args.modes, MODES, "mode")
     if args.sizes not in ("default", "small") and len(kernels) != 1:
         raise SystemExit("explicit --sizes need exactly one --kernels")
-    if "liger_kernel" in variants and not (device.startswith("cuda") and _installed("liger_kernel")):
-        variants.remove("liger_kernel")  # Liger-Kernel is Triton-only: GPU runs where it is installed
+    for variant, module in GPU_PEERS.items():  # Triton-only peers: GPU runs where they are installed
+        if variant in variants and not (device.startswith("cuda") and _installed(module)):
+            variants.remove(variant)
 
     if args.worker:
         sizes = (

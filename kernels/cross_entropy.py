@@ -68,11 +68,17 @@ def _cross_entropy_kernel(
     # Padding rows (past n_rows) get lse 0, so neither pass computes log(0) or exp(inf) on them.
     lse = tl.where(row_mask, running_max + tl.log(tl.where(row_mask, running_sum, 1.0)), 0.0)
 
-    target = tl.where(valid, labels, 0)
-    target_logit = tl.load(LOGITS + rows.to(tl.int64) * logits_stride + target, mask=valid, other=0.0)
+    # A label outside [0, n_cols) never reads memory past its row: its loss is NaN (and check_labels
+    # has already raised, or queued a device-side assert).
+    in_range = (labels >= 0) & (labels < n_cols)
+    target = tl.where(valid & in_range, labels, 0)
+    target_logit = tl.load(
+        LOGITS + rows.to(tl.int64) * logits_stride + target, mask=valid & in_range, other=0.0
+    )
     loss = lse - target_logit.to(tl.float32)
     if smoothing > 0.0:
         loss = (1.0 - smoothing) * loss + smoothing * (lse - logit_sum / n_cols)
+    loss = tl.where(in_range, loss, float("nan"))
     tl.store(LOSS + rows, tl.where(valid, loss, 0.0), mask=row_mask)
 
     if WRITE_GRAD:
@@ -90,6 +96,19 @@ def _cross_entropy_kernel(
                 grad = grad - smoothing / n_cols
             grad = tl.where(valid[:, None], grad * scale[:, None], 0.0)
             tl.store(grad_row_ptr + cols[None, :], grad.to(GRAD.dtype.element_ty), mask=mask)
+
+
+def check_labels(flat_labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """Every label must be `ignore_index` or in [0, vocab), as torch's cross-entropy requires.
+
+    Checked on the labels' device without waiting for it (one small reduction): on a CPU it raises a
+    RuntimeError at once; on CUDA it is a device-side assert, reported at the next synchronisation,
+    which is what torch's own cross-entropy does with such a label.
+    """
+    ok = ((flat_labels >= 0) & (flat_labels < vocab)) | (flat_labels == ignore_index)
+    torch._assert_async(
+        ok.all(), f"labels must be in [0, {vocab}) (the vocabulary) or {ignore_index} (ignored)"
+    )
 
 
 def cross_entropy_rows(logits2d, labels, ignore_index, label_smoothing, grad=None, scale=None):
@@ -116,6 +135,7 @@ class _CrossEntropyTriton(torch.autograd.Function):
         if logits2d.stride(-1) != 1:
             logits2d = logits2d.contiguous()
         flat = labels.reshape(-1).contiguous()
+        check_labels(flat, logits2d.shape[1], ignore_index)
         row_loss = cross_entropy_rows(logits2d, flat, ignore_index, label_smoothing)
         n_valid = (flat != ignore_index).sum().clamp(min=1)
         ctx.save_for_backward(logits2d, flat, n_valid)

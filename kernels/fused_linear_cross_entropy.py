@@ -2,14 +2,24 @@
 holding the full [tokens, vocab] logits.
 
 Why: at 4096 tokens and a 128k vocabulary the fp32 logits alone are 2 GB, and eager autograd keeps
-several tensors of that size. FLCE walks the tokens in chunks. For each chunk it computes the logits,
-turns them in place into d loss / d logits, and immediately uses them for grad_hidden (d @ W) and
-grad_weight (+= d.T @ h, accumulated in fp32). So the gradients are computed during the forward, the
-largest temporary is one chunk of logits, and the backward only multiplies the saved gradients by
-grad_output (a tensor: nothing waits on the host).
+several tensors of that size. FLCE computes the gradients during the forward, a piece of the logits
+at a time, so besides the gradients it returns (grad_hidden, and grad_weight when lm_head trains)
+it holds one piece of logits, sized from the call (CHUNK_BYTES per device type).
 
-The chunk's softmax and gradient run in our Triton cross-entropy kernel on CUDA, and as in-place
-PyTorch ops elsewhere; the matmuls are torch's (cuBLAS / the CPU BLAS) in both paths.
+Two paths, because a CPU and a GPU want different pieces:
+- PyTorch (CPU): blocks of the vocabulary, all tokens at once, so every matmul has large, efficient
+  shapes (token chunks would make the BLAS repack the whole weight once per chunk, twice as slow).
+  A frozen lm_head needs one pass (an online softmax, as in flash attention); a trainable one two
+  (log-sum-exp first, then the gradients, grad_weight written once per block).
+- Triton (CUDA): chunks of tokens; our cross-entropy kernel turns each chunk's logits into their
+  gradient in place, then cuBLAS feeds both weight-sized matmuls. Nothing is computed twice.
+
+Numerics: the logits' gradients are left unscaled (softmax minus one-hot, values in [-1, 1]) when
+they are cast to a low-precision dtype for the matmuls. The mean's 1/N and the upstream gradient (a
+GradScaler's 65536, say) are applied in the backward as one fp32 factor, to grad_hidden and
+grad_weight alike, before their cast back to the inputs' dtype. So nothing small is flushed to zero
+in fp16, grad_output is never cast to fp16, and both gradients carry exactly the same scale. Labels
+are checked on the device (no host synchronisation); the forward never waits on the host.
 """
 
 from __future__ import annotations
@@ -17,9 +27,16 @@ from __future__ import annotations
 import torch
 
 from ._backend import use_triton
-from .cross_entropy import cross_entropy_reference, cross_entropy_rows
+from .cross_entropy import check_labels, cross_entropy_reference, cross_entropy_rows
 
-CHUNK_BYTES = 256 * 2**20  # fp32 logits of one chunk; tuned with bench/flce_memory.py
+# Bytes one chunk's working set may take (its fp32 logits, plus the low-precision logits and gradient
+# when the inputs are fp16/bf16), per device type. Tuned with bench/flce_memory.py (bench/README.md):
+# on a CPU 32 MiB keeps the loss within 64 MiB of the gradients it returns and is as fast as larger
+# chunks; on a GPU larger chunks keep the matmuls efficient.
+CHUNK_BYTES = {"cpu": 32 * 2**20, "cuda": 256 * 2**20}
+OTHER_DEVICE_CHUNK_BYTES = 64 * 2**20
+# Chunks are a multiple of this many rows (SIMD / tensor-core tiles), and never fewer.
+ROW_MULTIPLE = {"cpu": 16, "cuda": 64}
 
 
 def fused_linear_cross_entropy_reference(
@@ -30,104 +47,237 @@ def fused_linear_cross_entropy_reference(
     return cross_entropy_reference(logits, labels, ignore_index, reduction, label_smoothing)
 
 
-def default_chunk_rows(n_rows: int, vocab: int) -> int:
-    return max(1, min(n_rows, CHUNK_BYTES // (4 * vocab)))
+def chunk_rows_for(n_rows: int, vocab: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Tokens per chunk: as many as the device's budget (CHUNK_BYTES) allows for this vocabulary and dtype."""
+    element = torch.empty((), dtype=dtype).element_size()
+    row_bytes = vocab * (4 if element >= 4 else 4 + 2 * element)
+    budget = CHUNK_BYTES.get(device.type, OTHER_DEVICE_CHUNK_BYTES)
+    multiple = ROW_MULTIPLE.get(device.type, 16)
+    rows = max(multiple, budget // row_bytes // multiple * multiple)
+    return max(1, min(n_rows, rows))
 
 
-def _chunk_grad_torch(logits, labels, valid, row_scale, label_smoothing):
-    """In place on fp32 logits [c, V]: per-row losses (returned) and logits := d loss / d logits."""
-    vocab = logits.shape[1]
-    target = torch.where(valid, labels, 0).unsqueeze(1)
-    target_logit = logits.gather(1, target).squeeze(1)
-    logit_sum = logits.sum(1) if label_smoothing > 0 else None
-    row_max = logits.amax(1, keepdim=True)
-    logits.sub_(row_max).exp_()
-    sum_exp = logits.sum(1, keepdim=True)
-    lse = (row_max + sum_exp.log()).squeeze(1)
+def vocab_block_for(n_rows: int, vocab: int, device: torch.device) -> int:
+    """Vocabulary entries per block of the PyTorch path: [n_rows, block] fp32 logits fit CHUNK_BYTES."""
+    budget = CHUNK_BYTES.get(device.type, OTHER_DEVICE_CHUNK_BYTES)
+    return max(1, min(vocab, max(256, budget // (4 * max(1, n_rows)) // 256 * 256)))
+
+
+def _add_matmul(out, a, b):
+    """out (fp32) += a (fp32) @ b, the matmul in b's dtype."""
+    if b.dtype == torch.float32:
+        out.addmm_(a, b)
+    else:
+        out += torch.mm(a.to(b.dtype), b)
+
+
+class _Blocks:
+    """The vocabulary in blocks: each block's fp32 logits [rows, block] and where the targets fall."""
+
+    def __init__(self, h2d, weight, bias, target, block):
+        self.h2d, self.weight, self.bias, self.target, self.block = h2d, weight, bias, target, block
+
+    def __iter__(self):
+        vocab = self.weight.shape[0]
+        for v0 in range(0, vocab, self.block):
+            v1 = min(v0 + self.block, vocab)
+            w = self.weight[v0:v1]
+            logits = (
+                torch.mm(self.h2d, w.t())
+                if self.bias is None
+                else torch.addmm(self.bias[v0:v1], self.h2d, w.t())
+            )
+            in_block = (self.target >= v0) & (self.target < v1)
+            column = (self.target - v0).clamp_(0, v1 - v0 - 1).unsqueeze(1)
+            logits = logits.float()
+            yield v0, v1, w, logits, in_block, column
+            del logits  # before the next block's logits exist: one block alive at a time
+
+
+def _forward_torch(h2d, weight, bias, target, valid, label_smoothing, block, grads):
+    """The PyTorch path, over blocks of the vocabulary (every matmul keeps all the tokens, so the CPU
+    BLAS runs large, efficient shapes). Returns per-row losses and the unscaled gradients.
+
+    When only grad_hidden is needed (a frozen lm_head) one pass suffices: like flash attention, it
+    keeps a running max and sum of exponentials per row and accumulates exp(logits - max) @ W,
+    rescaled whenever the max grows. Otherwise a first pass finds each row's log-sum-exp and a second
+    recomputes each block's logits to write its gradient, so grad_weight is written once per block.
+    """
+    need_hidden, need_weight, need_bias = grads
+    n_rows, vocab = h2d.shape[0], weight.shape[0]
+    blocks = _Blocks(h2d, weight, bias, target, block)
+    one_pass = need_hidden and not (need_weight or need_bias)
+    running_max = torch.full((n_rows,), float("-inf"), device=h2d.device)
+    sum_exp = torch.zeros(n_rows, device=h2d.device)
+    target_logit = torch.zeros(n_rows, device=h2d.device)
+    logit_sum = torch.zeros(n_rows, device=h2d.device) if label_smoothing > 0 else None
+    acc = torch.zeros(h2d.shape, dtype=torch.float32, device=h2d.device) if one_pass else None
+    for _, _, w, logits, in_block, column in blocks:
+        target_logit += torch.where(in_block, logits.gather(1, column).squeeze(1), 0.0)
+        if logit_sum is not None:
+            logit_sum += logits.sum(1)
+        new_max = torch.maximum(running_max, logits.amax(1))
+        rescale = torch.exp(running_max - new_max)
+        logits.sub_(new_max.unsqueeze(1)).exp_()
+        sum_exp.mul_(rescale).add_(logits.sum(1))
+        if acc is not None:
+            acc.mul_(rescale.unsqueeze(1))
+            _add_matmul(acc, logits, w)
+        running_max = new_max
+        del logits
+    lse = running_max + sum_exp.log()
     loss = lse - target_logit
-    if label_smoothing > 0:
+    if logit_sum is not None:
         loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - logit_sum / vocab)
-    # softmax * scale, minus the (smoothed) one-hot target * scale; row_scale is 0 on ignored rows.
-    logits.mul_(row_scale.unsqueeze(1) / sum_exp)
-    logits.scatter_add_(1, target, (-(1.0 - label_smoothing) * row_scale).unsqueeze(1))
-    if label_smoothing > 0:
-        logits.sub_((label_smoothing / vocab * row_scale).unsqueeze(1))
-    return torch.where(valid, loss, 0.0)
+    loss = torch.where(valid, loss, 0.0)
+    if not any(grads):
+        return loss, None, None, None
+
+    grad_hidden = grad_weight = grad_bias = None
+    if one_pass:  # softmax @ W minus the (smoothed) one-hot target @ W
+        grad_hidden = acc.div_(sum_exp.unsqueeze(1))
+        for r0 in range(0, n_rows, 1024):  # W[target] a piece at a time: no [rows, hidden] temporary
+            grad_hidden[r0 : r0 + 1024].sub_(
+                weight[target[r0 : r0 + 1024]].float(), alpha=1.0 - label_smoothing
+            )
+        if label_smoothing > 0:
+            grad_hidden.sub_(weight.sum(0, dtype=torch.float32) * (label_smoothing / vocab))
+        return loss, grad_hidden.mul_(valid.unsqueeze(1)), None, None
+
+    if need_hidden:
+        grad_hidden = torch.zeros(h2d.shape, dtype=torch.float32, device=h2d.device)
+    if need_weight:
+        grad_weight = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
+    if need_bias:
+        grad_bias = torch.empty(vocab, dtype=torch.float32, device=weight.device)
+    # An ignored row's log-sum-exp is +inf, so its probabilities, hence its gradient, come out 0.
+    lse = torch.where(valid, lse, float("inf")).unsqueeze(1)
+    smooth = torch.where(valid, label_smoothing / vocab, 0.0).unsqueeze(1) if label_smoothing > 0 else None
+    for v0, v1, w, logits, in_block, column in blocks:
+        logits.sub_(lse).exp_()
+        one_hot = torch.where(in_block & valid, label_smoothing - 1.0, 0.0).unsqueeze(1)
+        logits.scatter_add_(1, column, one_hot)
+        if smooth is not None:
+            logits.sub_(smooth)
+        if grad_hidden is not None:
+            _add_matmul(grad_hidden, logits, w)
+        if grad_weight is not None:
+            if w.dtype == torch.float32:
+                torch.mm(logits.t(), h2d, out=grad_weight[v0:v1])
+            else:
+                grad_weight[v0:v1] = torch.mm(logits.t().to(w.dtype), h2d)
+        if grad_bias is not None:
+            torch.sum(logits, 0, out=grad_bias[v0:v1])
+        del logits
+    return loss, grad_hidden, grad_weight, grad_bias
+
+
+def _forward_triton(h2d, weight, bias, flat, valid, ignore_index, label_smoothing, chunk_rows, grads):
+    """The Triton path, over chunks of tokens: each chunk's logits become their gradient in place
+    (our cross-entropy kernel, which also zeroes ignored rows), then feed both weight-sized matmuls.
+    On a GPU large row chunks keep cuBLAS efficient and nothing is computed twice."""
+    need_hidden, need_weight, need_bias = grads
+    n_rows, vocab = h2d.shape[0], weight.shape[0]
+    valid_f = valid.to(torch.float32)
+    grad_hidden = torch.empty_like(h2d) if need_hidden else None
+    grad_weight = (
+        torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+    )
+    grad_bias = torch.zeros(vocab, dtype=torch.float32, device=weight.device) if need_bias else None
+    low_precision = weight.dtype != torch.float32
+    weight_t = weight.t()
+    losses = []
+    for start in range(0, n_rows, chunk_rows):
+        end = min(start + chunk_rows, n_rows)
+        h_chunk = h2d[start:end]
+        logits = torch.addmm(bias, h_chunk, weight_t) if bias is not None else torch.mm(h_chunk, weight_t)
+        logits = logits.float()  # a copy only in low precision; the low-precision logits are freed
+        losses.append(
+            cross_entropy_rows(
+                logits, flat[start:end].contiguous(), ignore_index, label_smoothing,
+                grad=logits, scale=valid_f[start:end],
+            )
+        )  # fmt: skip
+        grad_logits = logits.to(weight.dtype) if low_precision else logits
+        if grad_hidden is not None:
+            torch.mm(grad_logits, weight, out=grad_hidden[start:end])
+        if grad_weight is not None:
+            if low_precision:  # one matmul per chunk in its dtype, accumulated across chunks in fp32
+                grad_weight += torch.mm(grad_logits.t(), h_chunk)
+            else:
+                grad_weight.addmm_(grad_logits.t(), h_chunk)
+        if grad_bias is not None:
+            grad_bias += logits.sum(0)
+        del logits, grad_logits
+    return torch.cat(losses), grad_hidden, grad_weight, grad_bias
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, chunk_rows):
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        labels,
+        bias,
+        ignore_index,
+        reduction,
+        smoothing,
+        chunk_rows,
+        vocab_block,
+        grad_enabled,
+    ):
         h2d = hidden.reshape(-1, hidden.shape[-1])
         flat = labels.reshape(-1)
         n_rows, vocab = h2d.shape[0], weight.shape[0]
-        chunk_rows = chunk_rows or default_chunk_rows(n_rows, vocab)
-        triton = use_triton(hidden)
-
+        check_labels(flat, vocab, ignore_index)
         valid = flat != ignore_index
-        if reduction == "mean":
-            scale = 1.0 / valid.sum().clamp(min=1).float()
+        n_valid = valid.sum() if reduction == "mean" else torch.ones((), dtype=torch.long, device=flat.device)
+        # Under torch.no_grad (evaluation) no gradient is computed, whatever requires_grad says.
+        grads = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
+        grads = tuple(g and grad_enabled for g in grads)
+        if use_triton(hidden):
+            chunk_rows = chunk_rows or chunk_rows_for(n_rows, vocab, weight.dtype, weight.device)
+            loss, grad_hidden, grad_weight, grad_bias = _forward_triton(
+                h2d, weight, bias, flat, valid, ignore_index, smoothing, chunk_rows, grads
+            )
         else:
-            scale = torch.ones((), dtype=torch.float32, device=hidden.device)
-        grad_hidden = torch.empty_like(h2d) if hidden.requires_grad else None
-        grad_weight = (
-            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-            if weight.requires_grad
-            else None
-        )
-        grad_bias = (
-            torch.zeros(vocab, dtype=torch.float32, device=weight.device)
-            if bias is not None and bias.requires_grad
-            else None
-        )
-        weight_t = weight.t()
-        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for start in range(0, n_rows, chunk_rows):
-            end = min(start + chunk_rows, n_rows)
-            h_chunk = h2d[start:end]
-            logits = torch.addmm(bias, h_chunk, weight_t) if bias is not None else torch.mm(h_chunk, weight_t)
-            logits = logits.float()
-            valid_chunk = valid[start:end]
-            row_scale = valid_chunk * scale
-            if triton:
-                row_loss = cross_entropy_rows(
-                    logits,
-                    flat[start:end].contiguous(),
-                    ignore_index,
-                    label_smoothing,
-                    grad=logits,
-                    scale=row_scale,
-                )
-            else:
-                row_loss = _chunk_grad_torch(logits, flat[start:end], valid_chunk, row_scale, label_smoothing)
-            loss += row_loss.sum()
-            grad_logits = logits.to(weight.dtype)
-            if grad_hidden is not None:
-                torch.mm(grad_logits, weight, out=grad_hidden[start:end])
-            if grad_weight is not None:
-                if grad_logits.dtype == torch.float32 and h_chunk.dtype == torch.float32:
-                    grad_weight.addmm_(grad_logits.t(), h_chunk)
-                else:  # low precision: one matmul per chunk in its dtype, accumulated across chunks in fp32
-                    grad_weight += torch.mm(grad_logits.t(), h_chunk.to(weight.dtype))
-            if grad_bias is not None:
-                grad_bias += logits.sum(0)
-            del logits, grad_logits
-        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
-        ctx.shapes = (hidden.shape, weight.dtype, None if bias is None else bias.dtype)
-        return loss * scale
+            block = vocab_block or vocab_block_for(n_rows, vocab, weight.device)
+            target = torch.where(valid, flat, 0)
+            loss, grad_hidden, grad_weight, grad_bias = _forward_torch(
+                h2d, weight, bias, target, valid, smoothing, block, grads
+            )
+        # The gradients are unscaled; the backward multiplies them by grad_output / N.
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias, n_valid)
+        ctx.shapes = (hidden.shape, hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.backward_done = False
+        return loss.sum() / n_valid.clamp(min=1)
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
-        hidden_shape, weight_dtype, bias_dtype = ctx.shapes
+        if ctx.backward_done:
+            raise RuntimeError(
+                "fused_linear_cross_entropy: a second backward through the same loss is not supported "
+                "(its gradients are computed in the forward and the first backward scales them in place, "
+                "to use no extra memory). Compute the loss again for another backward."
+            )
+        ctx.backward_done = True
+        grad_hidden, grad_weight, grad_bias, n_valid = ctx.saved_tensors
+        hidden_shape, hidden_dtype, weight_dtype, bias_dtype = ctx.shapes
+        # One fp32 factor for every gradient: grad_output is never cast to a low-precision dtype.
+        scale = grad_output.float() / n_valid.clamp(min=1)
         # In place on the saved gradients: they are used once and are as large as the weight.
         if grad_hidden is not None:
-            grad_hidden = grad_hidden.mul_(grad_output.to(grad_hidden.dtype)).view(hidden_shape)
+            if grad_hidden.dtype == torch.float32:
+                grad_hidden = grad_hidden.mul_(scale).to(hidden_dtype)
+            else:  # the Triton path keeps it in the inputs' dtype: scale it in fp32 all the same
+                grad_hidden.copy_(grad_hidden.float().mul_(scale))
+            grad_hidden = grad_hidden.view(hidden_shape)
         if grad_weight is not None:
-            grad_weight = grad_weight.mul_(grad_output).to(weight_dtype)
+            grad_weight = grad_weight.mul_(scale).to(weight_dtype)
         if grad_bias is not None:
-            grad_bias = grad_bias.mul_(grad_output).to(bias_dtype)
-        return grad_hidden, grad_weight, None, grad_bias, None, None, None, None
+            grad_bias = grad_bias.mul_(scale).to(bias_dtype)
+        return grad_hidden, grad_weight, None, grad_bias, None, None, None, None, None, None
 
 
 def fused_linear_cross_entropy(
@@ -139,11 +289,13 @@ def fused_linear_cross_entropy(
     reduction: str = "mean",
     label_smoothing: float = 0.0,
     chunk_rows: int | None = None,
+    vocab_block: int | None = None,
 ) -> torch.Tensor:
     """cross_entropy(hidden @ weight.T + bias, labels), chunked over tokens; the loss is fp32.
 
-    hidden is [..., H], weight [V, H], labels [...]. `reduction` is "mean" (over non-ignored labels;
-    0.0 when all are ignored) or "sum". `chunk_rows` overrides the tokens per chunk.
+    hidden is [..., H], weight [V, H], labels [...] (each `ignore_index` or in [0, V)). `reduction`
+    is "mean" (over non-ignored labels; 0.0 when all are ignored) or "sum". `chunk_rows` overrides
+    the tokens per chunk of the Triton path, `vocab_block` the vocabulary block of the PyTorch path. One backward per loss: a second one (retain_graph=True) raises.
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction={reduction!r}: fused_linear_cross_entropy supports 'mean' and 'sum'.")
@@ -162,5 +314,14 @@ def fused_linear_cross_entropy(
         bias = bias.to(dtype) if bias is not None else None
     with torch.autocast(device_type, enabled=False):
         return _FusedLinearCrossEntropy.apply(
-            hidden, weight, labels, bias, ignore_index, reduction, float(label_smoothing), chunk_rows
+            hidden,
+            weight,
+            labels,
+            bias,
+            ignore_index,
+            reduction,
+            float(label_smoothing),
+            chunk_rows,
+            vocab_block,
+            torch.is_grad_enabled(),
         )

@@ -262,15 +262,15 @@ def unfused(hidden, weight, labels, bias=None, **kwargs):
     )
 
 
-@pytest.mark.parametrize("chunk_rows", [1, 5, None])
+@pytest.mark.parametrize("vocab_block", [1, 100, None])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
-def test_flce_matches_unfused_formula(chunk_rows, reduction, smoothing):
+def test_flce_matches_unfused_formula(vocab_block, reduction, smoothing):
     hidden, weight, bias = leaf(2, 9, 48), leaf(257, 48, seed=1), leaf(257, seed=2)
     labels = torch.randint(0, 257, (2, 9), generator=torch.Generator().manual_seed(0))
     labels[1, 2:6] = -100
     got = fused_linear_cross_entropy(
-        hidden, weight, labels, bias, reduction=reduction, label_smoothing=smoothing, chunk_rows=chunk_rows
+        hidden, weight, labels, bias, reduction=reduction, label_smoothing=smoothing, vocab_block=vocab_block
     )
     want = unfused(hidden, weight, labels, bias, reduction=reduction, label_smoothing=smoothing)
     torch.testing.assert_close(got, want)
@@ -299,7 +299,7 @@ def test_flce_one_row_and_all_ignored():
 def test_flce_frozen_weight_gets_no_gradient_and_hidden_grad_is_right():
     hidden, weight = leaf(7, 16), leaf(257, 16, seed=1).detach()
     labels = torch.randint(0, 257, (7,), generator=torch.Generator().manual_seed(0))
-    loss = fused_linear_cross_entropy(hidden, weight, labels, chunk_rows=3)
+    loss = fused_linear_cross_entropy(hidden, weight, labels, vocab_block=100)
     loss.backward()
     assert weight.grad is None
     hidden_ref = hidden.detach().clone().requires_grad_()
@@ -311,7 +311,7 @@ def test_flce_bf16_close_to_fp32():
     hidden, weight = leaf(12, 64), leaf(257, 64, seed=1)
     labels = torch.randint(0, 257, (12,), generator=torch.Generator().manual_seed(0))
     h16, w16 = (t.detach().bfloat16().requires_grad_() for t in (hidden, weight))
-    loss = fused_linear_cross_entropy(h16, w16, labels, chunk_rows=5)
+    loss = fused_linear_cross_entropy(h16, w16, labels, vocab_block=100)
     assert loss.dtype == torch.float32
     want = unfused(hidden, weight, labels)
     torch.testing.assert_close(loss, want, rtol=2e-2, atol=2e-2)
@@ -325,7 +325,7 @@ def test_flce_under_autocast_follows_the_autocast_dtype():
     hidden, weight = leaf(12, 64), leaf(257, 64, seed=1)
     labels = torch.randint(0, 257, (12,), generator=torch.Generator().manual_seed(0))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = fused_linear_cross_entropy(hidden, weight, labels, chunk_rows=5)
+        loss = fused_linear_cross_entropy(hidden, weight, labels, vocab_block=100)
     grads_ = torch.autograd.grad(loss, (hidden, weight))
     assert [g.dtype for g in grads_] == [torch.float32, torch.float32]  # the master weights' dtype
     want = unfused(hidden, weight, labels)
@@ -348,12 +348,15 @@ class LargestTensor(TorchDispatchMode):
 
 
 def test_flce_never_materialises_full_logits():
-    tokens, vocab, hidden_size, chunk = 64, 1000, 16, 8
+    tokens, vocab, hidden_size, block = 64, 1000, 4, 100
     hidden, weight = leaf(tokens, hidden_size), leaf(vocab, hidden_size, seed=1)
     labels = torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(0))
-    with LargestTensor() as mode:
-        fused_linear_cross_entropy(hidden, weight, labels, chunk_rows=chunk).backward()
-    assert mode.largest == max(chunk * vocab, vocab * hidden_size)  # one chunk of logits, or grad_weight
+    for trainable in (True, False):  # two passes, or one (frozen lm_head)
+        weight.requires_grad_(trainable)
+        with LargestTensor() as mode:
+            fused_linear_cross_entropy(hidden, weight, labels, vocab_block=block).backward()
+        assert mode.largest == tokens * block  # one block of logits (grad_weight is 4000)
+    weight.requires_grad_()
     with LargestTensor() as eager:
         unfused(hidden, weight, labels).backward()
     assert eager.largest == tokens * vocab  # the check itself can see a full logits tensor
@@ -369,7 +372,7 @@ def test_flce_does_no_host_synchronisation(monkeypatch):
 
     for name in ("item", "tolist", "__bool__", "__int__", "__float__"):
         monkeypatch.setattr(torch.Tensor, name, refuse)
-    loss = fused_linear_cross_entropy(hidden, weight, labels, chunk_rows=4)
+    loss = fused_linear_cross_entropy(hidden, weight, labels, vocab_block=100)
     loss.backward()
     monkeypatch.undo()
     torch.testing.assert_close(loss, unfused(hidden, weight, labels))

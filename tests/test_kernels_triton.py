@@ -288,3 +288,53 @@ def test_bf16_kernels_on_gpu():
     hidden, weight = leaf(9, 64, dtype=torch.bfloat16), leaf(257, 64, dtype=torch.bfloat16, seed=1)
     want = cross_entropy_reference(F.linear(hidden.float(), weight.float()), labels)
     check(fused_linear_cross_entropy(hidden, weight, labels, chunk_rows=4), want, 3e-2)
+
+
+# --- bf16 forward and backward of every kernel, on a GPU only ---------------------------------
+
+
+def _bf16_case(kernel):
+    """(inputs, our function, the PyTorch reference) in bf16, shapes with loop tails."""
+    bf16 = torch.bfloat16
+    labels = labels_with_ignored((9,), 257)
+    if kernel == "rms_norm":
+        return [leaf(4, 96, dtype=bf16), leaf(96, dtype=bf16, seed=1)], rms_norm, rms_norm_reference
+    if kernel == "swiglu":
+        return [leaf(4, 96, dtype=bf16), leaf(4, 96, dtype=bf16, seed=1)], swiglu, swiglu_reference
+    if kernel == "rope":
+        q, k = leaf(2, 4, 5, 16, dtype=bf16), leaf(2, 2, 5, 16, dtype=bf16, seed=1)
+        cos, sin = leaf(1, 5, 16, dtype=bf16, seed=2), leaf(1, 5, 16, dtype=bf16, seed=3)
+        return [q, k, cos, sin], apply_rope, rope_reference
+    if kernel == "cross_entropy":
+        return (
+            [leaf(9, 257, dtype=bf16)],
+            lambda x: cross_entropy(x, labels),
+            lambda x: cross_entropy_reference(x, labels),
+        )
+    return (
+        [leaf(9, 64, dtype=bf16), leaf(257, 64, dtype=bf16, seed=1)],
+        lambda h, w: fused_linear_cross_entropy(h, w, labels, chunk_rows=4),
+        lambda h, w: cross_entropy_reference(F.linear(h, w), labels),
+    )
+
+
+@gpu_only
+@pytest.mark.parametrize(
+    "kernel", ["rms_norm", "swiglu", "rope", "cross_entropy", "fused_linear_cross_entropy"]
+)
+def test_bf16_forward_and_backward_on_gpu(kernel):
+    """Triton in bf16 against the PyTorch reference run in fp32 on the same bf16 values."""
+    inputs, fn, reference = _bf16_case(kernel)
+    outs = fn(*inputs)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    ups = [upstream_like(o, seed=i) for i, o in enumerate(outs)]
+    grads = torch.autograd.grad(outs, inputs, ups)
+    f32 = [t.detach().float().requires_grad_() for t in inputs]
+    refs = reference(*f32)
+    refs = refs if isinstance(refs, tuple) else (refs,)
+    ref_grads = torch.autograd.grad(refs, f32, [u.float() for u in ups])
+    for got, want in [*zip(outs, refs, strict=True), *zip(grads, ref_grads, strict=True)]:
+        assert got.dtype in (torch.bfloat16, torch.float32) and torch.isfinite(got).all()
+        got, want = got.double(), want.double()
+        error = float((got - want).norm() / want.norm().clamp(min=1e-12))
+        assert error < 1e-2, (kernel, error)  # bf16 rounds at 2^-9 on average
