@@ -25,9 +25,9 @@ def test_agreeing_kernels_stay_on():
     assert check.switched_off == {} and check.not_run is None
     assert check.kernels == ALL_ON
     assert check.lines() == [
-        f"kernel check: one step on a tiny twin, patched vs unpatched ({check.seconds:.1f} s): "
-        "loss and every gradient agree"
+        "kernel check: one step on a tiny twin, patched vs unpatched: loss and every gradient agree"
     ]
+    assert 0 < check.seconds < 60
     assert "swiglu: patched 2 modules (LlamaMLP)" in check.twin_report
 
 
