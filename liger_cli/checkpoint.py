@@ -1,4 +1,4 @@
-"""Output folder protection and crash-safe checkpoints.
+"""Crash-safe checkpoints and the final save.
 
 A checkpoint is written into `checkpoints/.tmp-step-N` and renamed to `checkpoints/step-N` only
 once complete (with `trainer_state.json` as its last file). A save killed half-way therefore never
@@ -11,8 +11,6 @@ import json
 import os
 import shutil
 from pathlib import Path
-
-from liger_cli.errors import UserError
 
 STATE_FILE = "trainer_state.json"
 
@@ -28,40 +26,6 @@ def complete_checkpoints(out: Path) -> list[Path]:
         return []
     found = [p for p in root.glob("step-*") if (p / STATE_FILE).is_file()]
     return sorted(found, key=lambda p: int(p.name.split("-")[1]))
-
-
-MARKER = ".liger-run"
-"""Written first into every output folder: `overwrite` only ever deletes folders that carry it."""
-
-
-def prepare_output(out: Path, resume: str, overwrite: bool, is_main: bool) -> Path | None:
-    """Check the output folder against resume/overwrite; return the checkpoint to resume from.
-
-    A non-empty folder is never overwritten unless the recipe says so (a typo in output.dir must
-    not cost a finished run), and never deleted unless it is a liger run folder.
-    """
-    if resume not in ("auto", "never"):
-        path = Path(resume)
-        if not (path / STATE_FILE).is_file():
-            raise UserError(f"output.resume {path} is not a complete checkpoint (no {STATE_FILE} in it)")
-        return path
-    if resume == "auto" and complete_checkpoints(out):
-        return complete_checkpoints(out)[-1]
-    if not (out.is_dir() and any(out.iterdir())):
-        return None
-    if not overwrite:
-        why = "has no complete checkpoint to resume" if resume == "auto" else "is not empty"
-        raise UserError(
-            f"output folder {out} {why}: set output.overwrite=true to replace it, "
-            "output.resume=auto to continue a run, or choose another output.dir"
-        )
-    if not (out / MARKER).exists():
-        raise UserError(
-            f"refusing to delete {out}: it is not a liger run folder (no {MARKER}); remove it yourself"
-        )
-    if is_main:
-        shutil.rmtree(out)
-    return None
 
 
 def read_state(checkpoint: Path) -> dict:

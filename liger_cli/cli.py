@@ -146,7 +146,7 @@ def merge(
     overwrite: Annotated[bool, typer.Option(help="Replace a non-empty OUT_DIR.")] = False,
 ) -> None:
     """Merge a run's LoRA adapter into its base model and save the full model (save_pretrained)."""
-    from liger_cli.model import merge_adapter
+    from liger_cli.merge import merge_adapter
 
     merge_adapter(run_dir, out_dir, overwrite=overwrite)
     typer.echo(f"merged model written to {out_dir}")

@@ -1,7 +1,8 @@
 """The training recipe: named set-up steps, then one loop (`run` reads top to bottom).
 
-Set-up, in order: backend and accelerator -> output folder -> tokenizer and data -> model
-(adapter, checkpointing, kernels) -> optimizer, schedule and `prepare` -> resume. Then `fit`: one
+Set-up, in order: backend and accelerator -> output folder checked (read-only) -> tokenizer and
+data -> model (adapter, checkpointing, kernels) -> output folder claimed (the first change on disk)
+-> optimizer, schedule and `prepare` -> resume. Then `fit`: one
 loop over optimizer steps, each taking `grad_accum` micro-batches per process (`batches.py` says
 which). Everything that differs between backends is a call on the `Backend` object.
 
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from liger_cli import checkpoint
+from liger_cli import checkpoint, output_dir
 from liger_cli.backends import Backend, backend_for
 from liger_cli.batches import StepBatches, total_steps
 from liger_cli.checkpoint import save_final
@@ -29,6 +30,7 @@ from liger_cli.errors import UserError
 from liger_cli.evaluate import evaluate, label_tokens, micro_loss
 from liger_cli.metrics import MetricsLog, peak_memory_mb
 from liger_cli.model import build_model, count_parameters, load_tokenizer
+from liger_cli.output_dir import OutputDecision, claim_output
 from liger_cli.plan import Applied, Plan, render_with
 from liger_cli.recipe import Recipe
 
@@ -61,18 +63,23 @@ class Trainer:
 
 
 def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
-    """Train as the recipe says. Returns the final metrics."""
+    """Train as the recipe says. Returns the final metrics.
+
+    Nothing on disk changes until every check has passed (recipe, paths, tokenizer, data rows, model
+    config, resume compatibility): only then is the output folder claimed (`claim_output`).
+    """
     backend = backend_for(recipe, plan)
     accelerator = backend.make_accelerator()
     say = echo if accelerator.is_main_process else (lambda *_: None)
-    resume_from = prepare_output(recipe, accelerator)
+    output = check_output(recipe)
     data = load_data(recipe, accelerator)
     model, kernel_report = build_model(recipe, plan)
+    claim_output(output, accelerator.is_main_process, accelerator.wait_for_everyone)
     record_plan(recipe, plan, Applied(kernels_patched=kernel_report), accelerator.is_main_process, say)
     describe(model, data, say)
     trainer = prepare(recipe, backend, model, data, say)
-    if resume_from is not None:
-        resume(trainer, resume_from)
+    if output.resume_from is not None:
+        resume(trainer, output.resume_from)
     last = fit(trainer)
     finish(trainer, last)
     return last  # the process group is destroyed by the launcher (rank.py), after every run in it
@@ -81,15 +88,15 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
 # --- set-up steps -----------------------------------------------------------------------------------------
 
 
-def prepare_output(recipe: Recipe, accelerator) -> Path | None:
-    """Check the output folder against resume/overwrite (every rank), seed; the checkpoint to resume."""
+def check_output(recipe: Recipe) -> OutputDecision:
+    """What the run may do with its output folder (read-only, every rank); seed."""
     from transformers import set_seed
 
-    out = recipe.output
-    resume_from = checkpoint.prepare_output(out.dir, out.resume, out.overwrite, accelerator.is_main_process)
-    accelerator.wait_for_everyone()
+    out, m, d = recipe.output, recipe.model, recipe.data
+    inputs = tuple(p for p in (m.path, m.config, m.tokenizer, d.train, d.eval) if p is not None)
+    decision = output_dir.check_output(out.dir, out.resume, out.overwrite, inputs)
     set_seed(recipe.training.seed)
-    return resume_from
+    return decision
 
 
 def load_data(recipe: Recipe, accelerator) -> Data:
@@ -111,11 +118,8 @@ def record_plan(recipe: Recipe, plan: Plan, applied: Applied, main: bool, say) -
     """The run folder's marker, the resolved recipe and `plan.txt` (main process); the Plan in the log."""
     out = recipe.output.dir
     if main:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / checkpoint.MARKER).touch()
         (out / "recipe.yaml").write_text(recipe.to_yaml())
         (out / "plan.txt").write_text(render_with(plan, applied) + "\n")
-        checkpoint.remove_stale_temporaries(out)
     say(render_with(plan, applied))
 
 
