@@ -12,6 +12,8 @@ import os
 import shutil
 from pathlib import Path
 
+from liger_cli.fingerprint import write_fingerprint
+
 STATE_FILE = "trainer_state.json"
 
 
@@ -32,8 +34,9 @@ def read_state(checkpoint: Path) -> dict:
     return json.loads((checkpoint / STATE_FILE).read_text())
 
 
-def save_checkpoint(accelerator, out: Path, step: int, state: dict) -> Path:
-    """accelerate's save_state into a temporary folder, then an atomic rename."""
+def save_checkpoint(accelerator, out: Path, step: int, state: dict, found: dict) -> Path:
+    """accelerate's save_state into a temporary folder, what the run depends on (`found`, see
+    fingerprint.py), the trainer state last, then an atomic rename."""
     root = checkpoints_dir(out)
     final = root / f"step-{step}"
     tmp = root / f".tmp-step-{step}"
@@ -44,6 +47,7 @@ def save_checkpoint(accelerator, out: Path, step: int, state: dict) -> Path:
     accelerator.save_state(str(tmp), safe_serialization=True)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        write_fingerprint(tmp, found)
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
         with open(tmp / STATE_FILE) as f:
             os.fsync(f.fileno())

@@ -28,11 +28,14 @@ from liger_cli.checkpoint import save_final
 from liger_cli.data import build_datasets, collate
 from liger_cli.errors import UserError
 from liger_cli.evaluate import evaluate, label_tokens, micro_loss
+from liger_cli.fingerprint import check_same_run, fingerprint
 from liger_cli.metrics import MetricsLog, peak_memory_mb
 from liger_cli.model import build_model, count_parameters, load_tokenizer
 from liger_cli.output_dir import OutputDecision, claim_output
 from liger_cli.plan import Applied, Plan, render_with
 from liger_cli.recipe import Recipe
+
+FINAL_METRICS = "final_metrics.json"
 
 
 class TrainingDiverged(RuntimeError):
@@ -60,6 +63,8 @@ class Trainer:
     data: Data
     step: int
     say: object
+    fingerprint: dict
+    """What the run's math depends on: written into every checkpoint, compared on resume."""
 
 
 def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
@@ -73,11 +78,14 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
     say = echo if accelerator.is_main_process else (lambda *_: None)
     output = check_output(recipe)
     data = load_data(recipe, accelerator)
+    run_fingerprint = fingerprint(recipe, accelerator.num_processes, plan.backend)
+    if check_resume(recipe, output, data, run_fingerprint, say) == "complete":
+        return {}
     model, kernel_report = build_model(recipe, plan)
     claim_output(output, accelerator.is_main_process, accelerator.wait_for_everyone)
     record_plan(recipe, plan, Applied(kernels_patched=kernel_report), accelerator.is_main_process, say)
     describe(model, data, say)
-    trainer = prepare(recipe, backend, model, data, say)
+    trainer = prepare(recipe, backend, model, data, say, run_fingerprint)
     if output.resume_from is not None:
         resume(trainer, output.resume_from)
     last = fit(trainer)
@@ -114,6 +122,27 @@ def load_data(recipe: Recipe, accelerator) -> Data:
     return Data(tokenizer, train_ds, eval_ds, batches, total_steps(t, batches))
 
 
+def check_resume(recipe: Recipe, output: OutputDecision, data: Data, found: dict, say) -> str | None:
+    """The checkpoint must come from the same run (`fingerprint.py`) and not lie past its end;
+    "complete" when it is this run's last step and the run finished (nothing to do)."""
+    if output.resume_from is None:
+        return None
+    check_same_run(output.resume_from, found)
+    step = checkpoint.read_state(output.resume_from)["step"]
+    if step > data.total_steps:
+        raise UserError(
+            f"cannot resume {output.resume_from}: it is at step {step}, past this run's {data.total_steps} "
+            "steps; raise training.max_steps (or epochs) to continue it"
+        )
+    if step == data.total_steps and (output.out / FINAL_METRICS).is_file():
+        say(
+            f"the run in {output.out} is complete ({step} of {step} steps): nothing to do; raise "
+            "training.max_steps to continue it"
+        )
+        return "complete"
+    return None
+
+
 def record_plan(recipe: Recipe, plan: Plan, applied: Applied, main: bool, say) -> None:
     """The run folder's marker, the resolved recipe and `plan.txt` (main process); the Plan in the log."""
     out = recipe.output.dir
@@ -130,7 +159,7 @@ def describe(model, data: Data, say) -> None:
     say(f"data: {len(data.train)} train / {evals} eval examples; {data.total_steps} optimizer steps")
 
 
-def prepare(recipe: Recipe, backend: Backend, model, data: Data, say) -> Trainer:
+def prepare(recipe: Recipe, backend: Backend, model, data: Data, say, found: dict) -> Trainer:
     """AdamW and the schedule; the backend wraps model and optimizer and proves it did as planned."""
     from transformers import get_scheduler
 
@@ -148,7 +177,7 @@ def prepare(recipe: Recipe, backend: Backend, model, data: Data, say) -> Trainer
         say(f"fused loss: {gathered}")
     backend.accelerator.register_for_checkpointing(scheduler)
     checkpoint.save_only_trainable_weights(backend.accelerator, model, recipe.adapter.type != "none")
-    return Trainer(recipe, backend, model, optimizer, scheduler, data, 0, say)
+    return Trainer(recipe, backend, model, optimizer, scheduler, data, 0, say, found)
 
 
 def resume(trainer: Trainer, checkpoint_dir: Path) -> None:
@@ -163,7 +192,7 @@ def finish(trainer: Trainer, last: dict[str, float]) -> None:
     out, accelerator = trainer.recipe.output.dir, trainer.backend.accelerator
     save_final(trainer.backend, trainer.model, trainer.data.tokenizer, out)
     if accelerator.is_main_process:
-        (out / "final_metrics.json").write_text(json.dumps(last, indent=2))
+        (out / FINAL_METRICS).write_text(json.dumps(last, indent=2))  # last: it marks the run complete
     trainer.say(f"done: final model in {out / 'final'}, metrics in {out / 'metrics.jsonl'}")
 
 
@@ -239,10 +268,10 @@ def fit(trainer: Trainer) -> dict[str, float]:
             window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
         if data.eval is not None and t.eval_every and step % t.eval_every == 0 and step < data.total_steps:
             run_eval(step, log)
-        if recipe.output.save_every and step % recipe.output.save_every == 0 and step < data.total_steps:
-            saved = checkpoint.save_checkpoint(
-                accelerator, out, step, {"step": step, "total_steps": data.total_steps}
-            )
+        every = recipe.output.save_every
+        if (every and step % every == 0) or step == data.total_steps:  # the last step too: a run can continue
+            state = {"step": step, "total_steps": data.total_steps}
+            saved = checkpoint.save_checkpoint(accelerator, out, step, state, trainer.fingerprint)
             log(f"checkpoint saved: {saved}")
     progress.close()
     if data.eval is not None:  # the final evaluation
