@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 from liger_cli.fingerprint import write_fingerprint
+from liger_cli.plain_state import load_rng, load_scheduler, save_rng, save_scheduler
 
 STATE_FILE = "trainer_state.json"
 
@@ -34,8 +35,9 @@ def read_state(checkpoint: Path) -> dict:
     return json.loads((checkpoint / STATE_FILE).read_text())
 
 
-def save_checkpoint(accelerator, out: Path, step: int, state: dict, found: dict) -> Path:
-    """accelerate's save_state into a temporary folder, what the run depends on (`found`, see
+def save_checkpoint(accelerator, out: Path, step: int, state: dict, found: dict, scheduler) -> Path:
+    """accelerate's save_state (weights, optimizer) into a temporary folder, the scheduler and every
+    process's RNG state in plain formats (`plain_state.py`), what the run depends on (`found`, see
     fingerprint.py), the trainer state last, then an atomic rename."""
     root = checkpoints_dir(out)
     final = root / f"step-{step}"
@@ -45,8 +47,10 @@ def save_checkpoint(accelerator, out: Path, step: int, state: dict, found: dict)
         root.mkdir(parents=True, exist_ok=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp), safe_serialization=True)
+    save_rng(tmp, accelerator.process_index)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        save_scheduler(tmp, scheduler)
         write_fingerprint(tmp, found)
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
         with open(tmp / STATE_FILE) as f:
@@ -55,6 +59,14 @@ def save_checkpoint(accelerator, out: Path, step: int, state: dict, found: dict)
         os.replace(tmp, final)
     accelerator.wait_for_everyone()
     return final
+
+
+def load_plain_state(checkpoint: Path, scheduler, rank: int) -> int:
+    """The scheduler and this process's RNG state (after the backend loaded weights and optimizer);
+    returns the step the checkpoint was written at (the data position)."""
+    load_scheduler(checkpoint, scheduler)
+    load_rng(checkpoint, rank)
+    return read_state(checkpoint)["step"]
 
 
 def remove_stale_temporaries(out: Path) -> None:

@@ -13,6 +13,7 @@ batches, all ranks): each micro-batch's loss is a sum divided by the step's glob
 from __future__ import annotations
 
 import json
+import pickle
 import sys
 import time
 from dataclasses import dataclass
@@ -175,15 +176,22 @@ def prepare(recipe: Recipe, backend: Backend, model, data: Data, say, found: dic
     gathered = backend.gather_for_fused_loss(model)
     if gathered:
         say(f"fused loss: {gathered}")
-    backend.accelerator.register_for_checkpointing(scheduler)
     checkpoint.save_only_trainable_weights(backend.accelerator, model, recipe.adapter.type != "none")
     return Trainer(recipe, backend, model, optimizer, scheduler, data, 0, say, found)
 
 
 def resume(trainer: Trainer, checkpoint_dir: Path) -> None:
-    """Load a checkpoint the backend's way; the data position is its step number."""
-    trainer.backend.load_state(trainer.model, trainer.optimizer, checkpoint_dir)
-    trainer.step = checkpoint.read_state(checkpoint_dir)["step"]
+    """Weights and optimizer the backend's way, then scheduler and RNG state (plain files); the data
+    position is the step number. A file that needs more than plain tensor data to load is refused."""
+    try:
+        trainer.backend.load_state(trainer.model, trainer.optimizer, checkpoint_dir)
+    except pickle.UnpicklingError as err:
+        raise UserError(
+            f"cannot resume {checkpoint_dir}: a file in it is not plain tensor data ({str(err).splitlines()[0]}); "
+            "it was changed or not written by liger"
+        ) from None
+    rank = trainer.backend.accelerator.process_index
+    trainer.step = checkpoint.load_plain_state(checkpoint_dir, trainer.scheduler, rank)
     trainer.say(f"resumed from {checkpoint_dir} at step {trainer.step}")
 
 
@@ -271,7 +279,8 @@ def fit(trainer: Trainer) -> dict[str, float]:
         every = recipe.output.save_every
         if (every and step % every == 0) or step == data.total_steps:  # the last step too: a run can continue
             state = {"step": step, "total_steps": data.total_steps}
-            saved = checkpoint.save_checkpoint(accelerator, out, step, state, trainer.fingerprint)
+            found, scheduler = trainer.fingerprint, trainer.scheduler
+            saved = checkpoint.save_checkpoint(accelerator, out, step, state, found, scheduler)
             log(f"checkpoint saved: {saved}")
     progress.close()
     if data.eval is not None:  # the final evaluation

@@ -113,3 +113,131 @@ def test_a_resume_that_differs_names_the_field(
         data.write_bytes(original)
     assert f"{field} differs" in line, line
     assert snapshot(out) == before
+
+
+# A driver that trains in-process and dies by SIGKILL at a chosen point, in a fresh process.
+KILL_DRIVER = """
+import os, signal, sys
+from liger_cli import checkpoint, train
+from liger_cli.plan import build_plan
+from liger_cli.recipe import load_recipe
+
+recipe = load_recipe(sys.argv[1], sys.argv[4:])
+where, at = sys.argv[2], int(sys.argv[3])
+
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+if where == "mid-save":  # weights and optimizer written, RNG and trainer state not yet
+    real_save_rng = checkpoint.save_rng
+    def save_rng(folder, rank):
+        if folder.name == f".tmp-step-{at}":
+            die()
+        real_save_rng(folder, rank)
+    checkpoint.save_rng = save_rng
+elif where == "mid-step":  # the `at`-th micro-batch of this process: between forward/backward passes
+    real_micro_loss, calls = train.micro_loss, []
+    def micro_loss(*args):
+        calls.append(1)
+        if len(calls) == at:
+            die()
+        return real_micro_loss(*args)
+    train.micro_loss = micro_loss
+elif where == "before-final":  # every step and checkpoint done, the final adapter not written
+    train.save_final = lambda *args: die()
+train.run(recipe, build_plan(recipe))
+"""
+
+
+def killed(recipe: Path, where: str, at: int, *overrides: str) -> int:
+    import subprocess
+    import sys
+
+    args = [sys.executable, "-c", KILL_DRIVER, str(recipe), where, str(at), *overrides]
+    return subprocess.run(args, capture_output=True, text=True, timeout=300).returncode
+
+
+def test_sigkill_at_several_points_then_resume_is_bit_identical(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """Dropout on, a checkpoint every step: killed mid-save, mid-step and before the final save,
+    resumed each time; the final adapter equals the uninterrupted run's bit for bit."""
+    recipe = tmp_path / "r.yaml"
+    out = tmp_path / "out"
+    recipe.write_text(
+        runs[4]
+        .read_text()
+        .replace(str(runs[4].parent / "out"), str(out))
+        .replace("{dir:", "{save_every: 1, dir:")
+    )
+    assert "save_every: 1" in recipe.read_text()
+    auto = "output.resume=auto"
+    assert killed(recipe, "mid-save", 2) == -9
+    assert (out / "checkpoints" / ".tmp-step-2").is_dir()
+    assert [p.name for p in (out / "checkpoints").glob("step-*")] == ["step-1"]
+    assert killed(recipe, "mid-step", 4, auto) == -9  # resumed at step 1; dies inside step 3 (grad_accum 2)
+    assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-1", "step-2"]
+    assert killed(recipe, "before-final", 0, auto) == -9
+    assert not (out / "final").exists() and (out / "checkpoints" / "step-4").is_dir()
+    proc = liger("train", str(recipe), "--set", auto)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step-4" in proc.stdout
+    a, b = adapter_weights(runs[4].parent / "out"), adapter_weights(out)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+class _Planted:
+    """Unpickling this creates a file: proof that a checkpoint file ran code."""
+
+    def __init__(self, proof: Path):
+        self.proof = proof
+
+    def __reduce__(self):
+        return (open, (str(self.proof), "w"))
+
+
+def test_a_tampered_checkpoint_cannot_run_code(runs: dict[str, Path], tmp_path: Path) -> None:
+    import pickle
+
+    copy = tmp_path / "run4"
+    shutil.copytree(runs[4].parent, copy)
+    recipe = copy / "r.yaml"
+    recipe.write_text(runs[4].read_text().replace(str(runs[4].parent), str(copy)))
+    ckpt = copy / "out" / "checkpoints" / "step-4"
+    proof = tmp_path / "code-ran"
+    planted = pickle.dumps(_Planted(proof))
+    # pickles accelerate would read if they were there, beside the ones liger writes in plain formats
+    for name in ("random_states_0.pkl", "scheduler.bin"):
+        (ckpt / name).write_bytes(planted)
+    longer = ("--set", "output.resume=auto", "--set", "training.max_steps=5")
+    proc = liger("train", str(recipe), *longer)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not proof.exists()
+    # the optimizer state (accelerate's pickle format) is read with weights_only: refused, exit 2
+    ckpt = copy / "out" / "checkpoints" / "step-5"
+    (ckpt / "optimizer.bin").write_bytes(planted)
+    line = one_line_error(
+        liger("train", str(recipe), "--set", "output.resume=auto", "--set", "training.max_steps=6")
+    )
+    assert "not plain tensor data" in line
+    assert not proof.exists()
+
+
+def test_a_planted_distributed_checkpoint_index_is_refused(tmp_path: Path) -> None:
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    from liger_cli.plain_state import check_distributed_checkpoint_index
+
+    real = tmp_path / "real"
+    dcp.save({"w": torch.randn(3, 2), "n": {"step": torch.tensor(2.0)}}, checkpoint_id=real, no_dist=True)
+    check_distributed_checkpoint_index(real)  # torch's own index passes
+    planted = tmp_path / "planted" / "pytorch_model_fsdp_0"
+    planted.mkdir(parents=True)
+    (planted / ".metadata").write_bytes(pickle.dumps(_Planted(tmp_path / "code-ran")))
+    with pytest.raises(pickle.UnpicklingError, match="io.open is not part of"):
+        check_distributed_checkpoint_index(tmp_path / "planted")
+    assert not (tmp_path / "code-ran").exists()
