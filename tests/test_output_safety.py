@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -60,23 +61,11 @@ def test_overwrite_with_a_bad_data_row_keeps_the_previous_run(finished_run: Path
     assert snapshot(out) == before  # the final adapter included, byte for byte
 
 
-def test_overwrite_with_a_missing_tokenizer_keeps_the_previous_run(
-    finished_run: Path, tmp_path: Path
-) -> None:
-    out = finished_run.parent / "out"
-    before = snapshot(out)
-    empty = tmp_path / "no-tokenizer"
-    empty.mkdir()
-    proc = liger("train", str(finished_run), "--set", f"model.tokenizer={empty}")
-    assert proc.returncode != 0
-    assert snapshot(out) == before
-
-
 def test_overwrite_replaces_the_old_run_once_the_new_one_starts(finished_run: Path, tmp_path: Path) -> None:
     copy = tmp_path / "r.yaml"
     out = tmp_path / "out"
     copy.write_text(finished_run.read_text().replace(str(finished_run.parent / "out"), str(out)))
-    assert liger("train", str(copy)).returncode == 0
+    shutil.copytree(finished_run.parent / "out", out)
     (out / "stale.txt").write_text("from the old run")
     proc = liger("train", str(copy))
     assert proc.returncode == 0, proc.stderr[-2000:]
