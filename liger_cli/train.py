@@ -80,7 +80,7 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
     output = check_output(recipe)
     data = load_data(recipe, accelerator)
     run_fingerprint = fingerprint(recipe, accelerator.num_processes, plan.backend)
-    if check_resume(recipe, output, data, run_fingerprint, say) == "complete":
+    if check_resume(output, data, run_fingerprint, say) == "complete":
         return {}
     model, kernel_report = build_model(recipe, plan)
     claim_output(output, accelerator.is_main_process, accelerator.wait_for_everyone)
@@ -123,7 +123,7 @@ def load_data(recipe: Recipe, accelerator) -> Data:
     return Data(tokenizer, train_ds, eval_ds, batches, total_steps(t, batches))
 
 
-def check_resume(recipe: Recipe, output: OutputDecision, data: Data, found: dict, say) -> str | None:
+def check_resume(output: OutputDecision, data: Data, found: dict, say) -> str | None:
     """The checkpoint must come from the same run (`fingerprint.py`) and not lie past its end;
     "complete" when it is this run's last step and the run finished (nothing to do)."""
     if output.resume_from is None:
@@ -145,7 +145,7 @@ def check_resume(recipe: Recipe, output: OutputDecision, data: Data, found: dict
 
 
 def record_plan(recipe: Recipe, plan: Plan, applied: Applied, main: bool, say) -> None:
-    """The run folder's marker, the resolved recipe and `plan.txt` (main process); the Plan in the log."""
+    """The resolved recipe and `plan.txt` (main process, in the claimed folder); the Plan in the log."""
     out = recipe.output.dir
     if main:
         (out / "recipe.yaml").write_text(recipe.to_yaml())
