@@ -132,6 +132,8 @@ def bench(
     plan = build_plan(recipe)
     out = Path(out_dir) if out_dir else recipe.output.dir.with_name(recipe.output.dir.name + "-bench")
     out = out.resolve()
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file: give a folder for the bench's runs and report")
     out.mkdir(parents=True, exist_ok=True)
     for variant in VARIANTS:  # validate both runs' recipes before spending minutes on the first
         load_recipe(recipe_path, _run_overrides(overrides, variant, steps, warmup, out, off_overrides))
@@ -193,7 +195,12 @@ def bench(
     (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
     chart = write_chart(report, out / "bench.png")
     echo(render_table(on, off, comparison, report))
-    echo(f"bench: wrote {out / 'bench.json'} and {chart}")
+    if chart is None:
+        echo(
+            f"bench: wrote {out / 'bench.json'} (no chart: matplotlib is not installed; pip install 'liger-cli[bench]')"
+        )
+    else:
+        echo(f"bench: wrote {out / 'bench.json'} and {chart}")
     echo(("verdict: " if comparison.losses_agree else "error: ") + comparison.verdict)
     return comparison.exit_code
 

@@ -145,9 +145,13 @@ def render_table(on: RunResult, off: RunResult, comparison: Comparison, report: 
     return "\n".join(lines)
 
 
-def write_chart(report: dict, path: Path) -> Path:
-    """Three bar pairs (step time, tokens/s, peak memory), each titled with its on/off ratio."""
-    import matplotlib
+def write_chart(report: dict, path: Path) -> Path | None:
+    """Three bar pairs (step time, tokens/s, peak memory), each titled with its on/off ratio; None
+    when matplotlib (an optional extra, `liger-cli[bench]`) is not installed."""
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        return None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

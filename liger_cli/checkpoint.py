@@ -1,4 +1,4 @@
-"""Output folder protection and crash-safe checkpoints.
+"""Crash-safe checkpoints and the final save.
 
 A checkpoint is written into `checkpoints/.tmp-step-N` and renamed to `checkpoints/step-N` only
 once complete (with `trainer_state.json` as its last file). A save killed half-way therefore never
@@ -12,7 +12,8 @@ import os
 import shutil
 from pathlib import Path
 
-from liger_cli.errors import UserError
+from liger_cli.fingerprint import write_fingerprint
+from liger_cli.plain_state import load_rng, load_scheduler, save_rng, save_scheduler
 
 STATE_FILE = "trainer_state.json"
 
@@ -30,46 +31,14 @@ def complete_checkpoints(out: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name.split("-")[1]))
 
 
-MARKER = ".liger-run"
-"""Written first into every output folder: `overwrite` only ever deletes folders that carry it."""
-
-
-def prepare_output(out: Path, resume: str, overwrite: bool, is_main: bool) -> Path | None:
-    """Check the output folder against resume/overwrite; return the checkpoint to resume from.
-
-    A non-empty folder is never overwritten unless the recipe says so (a typo in output.dir must
-    not cost a finished run), and never deleted unless it is a liger run folder.
-    """
-    if resume not in ("auto", "never"):
-        path = Path(resume)
-        if not (path / STATE_FILE).is_file():
-            raise UserError(f"output.resume {path} is not a complete checkpoint (no {STATE_FILE} in it)")
-        return path
-    if resume == "auto" and complete_checkpoints(out):
-        return complete_checkpoints(out)[-1]
-    if not (out.is_dir() and any(out.iterdir())):
-        return None
-    if not overwrite:
-        why = "has no complete checkpoint to resume" if resume == "auto" else "is not empty"
-        raise UserError(
-            f"output folder {out} {why}: set output.overwrite=true to replace it, "
-            "output.resume=auto to continue a run, or choose another output.dir"
-        )
-    if not (out / MARKER).exists():
-        raise UserError(
-            f"refusing to delete {out}: it is not a liger run folder (no {MARKER}); remove it yourself"
-        )
-    if is_main:
-        shutil.rmtree(out)
-    return None
-
-
 def read_state(checkpoint: Path) -> dict:
     return json.loads((checkpoint / STATE_FILE).read_text())
 
 
-def save_checkpoint(accelerator, out: Path, step: int, state: dict) -> Path:
-    """accelerate's save_state into a temporary folder, then an atomic rename."""
+def save_checkpoint(accelerator, out: Path, step: int, state: dict, found: dict, scheduler) -> Path:
+    """accelerate's save_state (weights, optimizer) into a temporary folder, the scheduler and every
+    process's RNG state in plain formats (`plain_state.py`), what the run depends on (`found`, see
+    fingerprint.py), the trainer state last, then an atomic rename."""
     root = checkpoints_dir(out)
     final = root / f"step-{step}"
     tmp = root / f".tmp-step-{step}"
@@ -78,8 +47,11 @@ def save_checkpoint(accelerator, out: Path, step: int, state: dict) -> Path:
         root.mkdir(parents=True, exist_ok=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp), safe_serialization=True)
+    save_rng(tmp, accelerator.process_index)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        save_scheduler(tmp, scheduler)
+        write_fingerprint(tmp, found)
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
         with open(tmp / STATE_FILE) as f:
             os.fsync(f.fileno())
@@ -87,6 +59,14 @@ def save_checkpoint(accelerator, out: Path, step: int, state: dict) -> Path:
         os.replace(tmp, final)
     accelerator.wait_for_everyone()
     return final
+
+
+def load_plain_state(checkpoint: Path, scheduler, rank: int) -> int:
+    """The scheduler and this process's RNG state (after the backend loaded weights and optimizer);
+    returns the step the checkpoint was written at (the data position)."""
+    load_scheduler(checkpoint, scheduler)
+    load_rng(checkpoint, rank)
+    return read_state(checkpoint)["step"]
 
 
 def remove_stale_temporaries(out: Path) -> None:

@@ -87,6 +87,8 @@ def data(
     """Tokenize the recipe's data exactly as train does; report counts, tokens, what is learned, warnings."""
     if show < 0:
         raise UserError(f"--show {show}: must be 0 or more")
+    if jsonl is not None and jsonl.is_dir():
+        raise UserError(f"--jsonl {jsonl} is a folder: give a file path, e.g. {jsonl / 'examples.jsonl'}")
     from liger_cli.data_report import data_command
 
     raise typer.Exit(data_command(recipe, set_ or [], show=show, jsonl=jsonl))
@@ -146,7 +148,7 @@ def merge(
     overwrite: Annotated[bool, typer.Option(help="Replace a non-empty OUT_DIR.")] = False,
 ) -> None:
     """Merge a run's LoRA adapter into its base model and save the full model (save_pretrained)."""
-    from liger_cli.model import merge_adapter
+    from liger_cli.merge import merge_adapter
 
     merge_adapter(run_dir, out_dir, overwrite=overwrite)
     typer.echo(f"merged model written to {out_dir}")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from liger_cli.data import WARNINGS, Split
 from liger_cli.encode import IGNORE_INDEX
+from liger_cli.errors import UserError
 
 # Without colour (piped, NO_COLOR), learned tokens are written between these markers.
 LEARNED_OPEN, LEARNED_CLOSE = "[[", "]]"
@@ -144,8 +145,12 @@ def write_jsonl(path: Path, splits) -> int:
     """One line per example before packing: split, row (1-based, in its file), input_ids, labels."""
     n = 0
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as f:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = path.open("w", encoding="utf-8")
+    except OSError as err:
+        raise UserError(f"--jsonl {path}: cannot write it ({err.strerror}); give a file path") from None
+    with f:
         for name, split in splits:
             if split is None:
                 continue

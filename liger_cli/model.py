@@ -9,8 +9,6 @@ see docs/field-failures.md#zero-3-loading-drops-an-argument).
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -218,30 +216,3 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
     total = sum(size.values())
     trainable = sum(size[key] for key, p in seen.items() if p.requires_grad)
     return trainable, total
-
-
-def merge_adapter(run_dir: Path, out_dir: Path, overwrite: bool = False) -> None:
-    """Merge a finished run's adapter into its base model and save the full model."""
-    from peft import AutoPeftModelForCausalLM
-    from transformers import AutoTokenizer
-
-    adapter_dir = Path(run_dir) / "final"
-    if not (adapter_dir / "adapter_config.json").is_file():
-        raise UserError(
-            f"no adapter in {adapter_dir}: give the output.dir of a finished LoRA/DoRA run "
-            "(full fine-tuning runs already hold the full model in final/)"
-        )
-    out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise UserError(f"{out_dir} is not empty: choose another folder or pass --overwrite")
-    base = json.loads((adapter_dir / "adapter_config.json").read_text())["base_model_name_or_path"]
-    if not Path(base).is_dir():
-        raise UserError(f"the adapter's base model folder is gone: {base}")
-    model = AutoPeftModelForCausalLM.from_pretrained(adapter_dir, dtype="auto").merge_and_unload()
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(tmp)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)

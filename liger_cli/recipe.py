@@ -80,7 +80,14 @@ def _read_yaml(path: Path) -> tuple[dict, dict[tuple, int]]:
         raise UserError(f"recipe file not found: {path}")
     if not path.is_file():
         raise UserError(f"recipe path is not a file: {path}")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise UserError(
+            f"{path}: not UTF-8 text (byte {err.start}): a recipe is a YAML file saved as UTF-8"
+        ) from None
+    except OSError as err:
+        raise UserError(f"cannot read recipe {path}: {err.strerror}") from None
     loader = _Loader(text)
     try:
         node = loader.get_single_node()

@@ -71,6 +71,14 @@ class ModelSection(_Section):
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSection:
+        twice = sorted(
+            set(self.load_kwargs) & {"dtype", "torch_dtype", "trust_remote_code", "attn_implementation"}
+        )
+        if twice:
+            raise ValueError(
+                f"model.load_kwargs sets {', '.join(twice)}, which the model section already passes: "
+                "set it in the model section (model.dtype, model.trust_remote_code, model.attn_implementation)"
+            )
         if (self.path is None) == (self.config is None):
             raise ValueError(
                 "set exactly one of model.path (a local model folder) or model.config (a config.json)"

@@ -1,7 +1,8 @@
 """The training recipe: named set-up steps, then one loop (`run` reads top to bottom).
 
-Set-up, in order: backend and accelerator -> output folder -> tokenizer and data -> model
-(adapter, checkpointing, kernels) -> optimizer, schedule and `prepare` -> resume. Then `fit`: one
+Set-up, in order: backend and accelerator -> output folder checked (read-only) -> tokenizer and
+data -> model (adapter, checkpointing, kernels) -> output folder claimed (the first change on disk)
+-> optimizer, schedule and `prepare` -> resume. Then `fit`: one
 loop over optimizer steps, each taking `grad_accum` micro-batches per process (`batches.py` says
 which). Everything that differs between backends is a call on the `Backend` object.
 
@@ -12,6 +13,7 @@ batches, all ranks): each micro-batch's loss is a sum divided by the step's glob
 from __future__ import annotations
 
 import json
+import pickle
 import sys
 import time
 from dataclasses import dataclass
@@ -20,17 +22,21 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from liger_cli import checkpoint
+from liger_cli import checkpoint, output_dir
 from liger_cli.backends import Backend, backend_for
 from liger_cli.batches import StepBatches, total_steps
 from liger_cli.checkpoint import save_final
 from liger_cli.data import build_datasets, collate
 from liger_cli.errors import UserError
 from liger_cli.evaluate import evaluate, label_tokens, micro_loss
+from liger_cli.fingerprint import check_same_run, fingerprint
 from liger_cli.metrics import MetricsLog, peak_memory_mb
 from liger_cli.model import build_model, count_parameters, load_tokenizer
+from liger_cli.output_dir import OutputDecision, claim_output
 from liger_cli.plan import Applied, Plan, render_with
 from liger_cli.recipe import Recipe
+
+FINAL_METRICS = "final_metrics.json"
 
 
 class TrainingDiverged(RuntimeError):
@@ -58,21 +64,31 @@ class Trainer:
     data: Data
     step: int
     say: object
+    fingerprint: dict
+    """What the run's math depends on: written into every checkpoint, compared on resume."""
 
 
 def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
-    """Train as the recipe says. Returns the final metrics."""
+    """Train as the recipe says. Returns the final metrics.
+
+    Nothing on disk changes until every check has passed (recipe, paths, tokenizer, data rows, model
+    config, resume compatibility): only then is the output folder claimed (`claim_output`).
+    """
     backend = backend_for(recipe, plan)
     accelerator = backend.make_accelerator()
     say = echo if accelerator.is_main_process else (lambda *_: None)
-    resume_from = prepare_output(recipe, accelerator)
+    output = check_output(recipe)
     data = load_data(recipe, accelerator)
+    run_fingerprint = fingerprint(recipe, accelerator.num_processes, plan.backend)
+    if check_resume(output, data, run_fingerprint, say) == "complete":
+        return {}
     model, kernel_report = build_model(recipe, plan)
+    claim_output(output, accelerator.is_main_process, accelerator.wait_for_everyone)
     record_plan(recipe, plan, Applied(kernels_patched=kernel_report), accelerator.is_main_process, say)
     describe(model, data, say)
-    trainer = prepare(recipe, backend, model, data, say)
-    if resume_from is not None:
-        resume(trainer, resume_from)
+    trainer = prepare(recipe, backend, model, data, say, run_fingerprint)
+    if output.resume_from is not None:
+        resume(trainer, output.resume_from)
     last = fit(trainer)
     finish(trainer, last)
     return last  # the process group is destroyed by the launcher (rank.py), after every run in it
@@ -81,15 +97,15 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
 # --- set-up steps -----------------------------------------------------------------------------------------
 
 
-def prepare_output(recipe: Recipe, accelerator) -> Path | None:
-    """Check the output folder against resume/overwrite (every rank), seed; the checkpoint to resume."""
+def check_output(recipe: Recipe) -> OutputDecision:
+    """What the run may do with its output folder (read-only, every rank); seed."""
     from transformers import set_seed
 
-    out = recipe.output
-    resume_from = checkpoint.prepare_output(out.dir, out.resume, out.overwrite, accelerator.is_main_process)
-    accelerator.wait_for_everyone()
+    out, m, d = recipe.output, recipe.model, recipe.data
+    inputs = tuple(p for p in (m.path, m.config, m.tokenizer, d.train, d.eval) if p is not None)
+    decision = output_dir.check_output(out.dir, out.resume, out.overwrite, inputs)
     set_seed(recipe.training.seed)
-    return resume_from
+    return decision
 
 
 def load_data(recipe: Recipe, accelerator) -> Data:
@@ -107,15 +123,33 @@ def load_data(recipe: Recipe, accelerator) -> Data:
     return Data(tokenizer, train_ds, eval_ds, batches, total_steps(t, batches))
 
 
+def check_resume(output: OutputDecision, data: Data, found: dict, say) -> str | None:
+    """The checkpoint must come from the same run (`fingerprint.py`) and not lie past its end;
+    "complete" when it is this run's last step and the run finished (nothing to do)."""
+    if output.resume_from is None:
+        return None
+    check_same_run(output.resume_from, found)
+    step = checkpoint.read_state(output.resume_from)["step"]
+    if step > data.total_steps:
+        raise UserError(
+            f"cannot resume {output.resume_from}: it is at step {step}, past this run's {data.total_steps} "
+            "steps; raise training.max_steps (or epochs) to continue it"
+        )
+    if step == data.total_steps and (output.out / FINAL_METRICS).is_file():
+        say(
+            f"the run in {output.out} is complete ({step} of {step} steps): nothing to do; raise "
+            "training.max_steps to continue it"
+        )
+        return "complete"
+    return None
+
+
 def record_plan(recipe: Recipe, plan: Plan, applied: Applied, main: bool, say) -> None:
-    """The run folder's marker, the resolved recipe and `plan.txt` (main process); the Plan in the log."""
+    """The resolved recipe and `plan.txt` (main process, in the claimed folder); the Plan in the log."""
     out = recipe.output.dir
     if main:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / checkpoint.MARKER).touch()
         (out / "recipe.yaml").write_text(recipe.to_yaml())
         (out / "plan.txt").write_text(render_with(plan, applied) + "\n")
-        checkpoint.remove_stale_temporaries(out)
     say(render_with(plan, applied))
 
 
@@ -126,7 +160,7 @@ def describe(model, data: Data, say) -> None:
     say(f"data: {len(data.train)} train / {evals} eval examples; {data.total_steps} optimizer steps")
 
 
-def prepare(recipe: Recipe, backend: Backend, model, data: Data, say) -> Trainer:
+def prepare(recipe: Recipe, backend: Backend, model, data: Data, say, found: dict) -> Trainer:
     """AdamW and the schedule; the backend wraps model and optimizer and proves it did as planned."""
     from transformers import get_scheduler
 
@@ -142,15 +176,22 @@ def prepare(recipe: Recipe, backend: Backend, model, data: Data, say) -> Trainer
     gathered = backend.gather_for_fused_loss(model)
     if gathered:
         say(f"fused loss: {gathered}")
-    backend.accelerator.register_for_checkpointing(scheduler)
     checkpoint.save_only_trainable_weights(backend.accelerator, model, recipe.adapter.type != "none")
-    return Trainer(recipe, backend, model, optimizer, scheduler, data, 0, say)
+    return Trainer(recipe, backend, model, optimizer, scheduler, data, 0, say, found)
 
 
 def resume(trainer: Trainer, checkpoint_dir: Path) -> None:
-    """Load a checkpoint the backend's way; the data position is its step number."""
-    trainer.backend.load_state(trainer.model, trainer.optimizer, checkpoint_dir)
-    trainer.step = checkpoint.read_state(checkpoint_dir)["step"]
+    """Weights and optimizer the backend's way, then scheduler and RNG state (plain files); the data
+    position is the step number. A file that needs more than plain tensor data to load is refused."""
+    try:
+        trainer.backend.load_state(trainer.model, trainer.optimizer, checkpoint_dir)
+    except pickle.UnpicklingError as err:
+        raise UserError(
+            f"cannot resume {checkpoint_dir}: a file in it is not plain tensor data ({str(err).splitlines()[0]}); "
+            "it was changed or not written by liger"
+        ) from None
+    rank = trainer.backend.accelerator.process_index
+    trainer.step = checkpoint.load_plain_state(checkpoint_dir, trainer.scheduler, rank)
     trainer.say(f"resumed from {checkpoint_dir} at step {trainer.step}")
 
 
@@ -159,7 +200,7 @@ def finish(trainer: Trainer, last: dict[str, float]) -> None:
     out, accelerator = trainer.recipe.output.dir, trainer.backend.accelerator
     save_final(trainer.backend, trainer.model, trainer.data.tokenizer, out)
     if accelerator.is_main_process:
-        (out / "final_metrics.json").write_text(json.dumps(last, indent=2))
+        (out / FINAL_METRICS).write_text(json.dumps(last, indent=2))  # last: it marks the run complete
     trainer.say(f"done: final model in {out / 'final'}, metrics in {out / 'metrics.jsonl'}")
 
 
@@ -235,10 +276,11 @@ def fit(trainer: Trainer) -> dict[str, float]:
             window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
         if data.eval is not None and t.eval_every and step % t.eval_every == 0 and step < data.total_steps:
             run_eval(step, log)
-        if recipe.output.save_every and step % recipe.output.save_every == 0 and step < data.total_steps:
-            saved = checkpoint.save_checkpoint(
-                accelerator, out, step, {"step": step, "total_steps": data.total_steps}
-            )
+        every = recipe.output.save_every
+        if (every and step % every == 0) or step == data.total_steps:  # the last step too: a run can continue
+            state = {"step": step, "total_steps": data.total_steps}
+            found, scheduler = trainer.fingerprint, trainer.scheduler
+            saved = checkpoint.save_checkpoint(accelerator, out, step, state, found, scheduler)
             log(f"checkpoint saved: {saved}")
     progress.close()
     if data.eval is not None:  # the final evaluation

@@ -79,8 +79,10 @@ def test_bench_runs_both_variants_and_writes_report(tiny_recipe: Path, tmp_path:
     assert (out / "bench.png").read_bytes()[:8] == PNG_MAGIC
 
 
-def test_disagreeing_first_losses_exit_1(tiny_recipe: Path, tmp_path: Path) -> None:
-    """A different seed for the kernels-off run gives different initial weights: a real disagreement."""
+def test_disagreeing_first_losses_exit_1(tiny_recipe: Path, tmp_path: Path, monkeypatch) -> None:
+    """A different seed for the kernels-off run gives different initial weights: a real disagreement.
+    Run as on a plain install (matplotlib is an extra): the chart is skipped with a one-line note."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now fails
     printed: list[str] = []
     code = bench(
         tiny_recipe,
@@ -95,6 +97,8 @@ def test_disagreeing_first_losses_exit_1(tiny_recipe: Path, tmp_path: Path) -> N
     assert "error: CORRECTNESS FAILURE: the first-step losses differ" in printed[-1]
     report = json.loads((tmp_path / "bench.json").read_text())
     assert report["first_step_loss"]["agree"] is False and report["exit_code"] == 1
+    assert any("no chart: matplotlib is not installed" in line for line in printed)
+    assert not (tmp_path / "bench.png").exists()
 
 
 def _run(loss: float, seconds: float, memory: float) -> RunResult:
@@ -121,6 +125,9 @@ def test_user_errors(tiny_recipe: Path, tmp_path: Path) -> None:
     off = [f"kernels.{k}=false" for k in ("rms_norm", "rope", "swiglu", "fused_linear_cross_entropy")]
     with pytest.raises(UserError, match="every kernel is off"):
         bench(tiny_recipe, off, steps=1, warmup=0, out_dir=tmp_path)
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(UserError, match="is a file"):
+        bench(tiny_recipe, [], steps=1, warmup=0, out_dir=tmp_path / "a-file")
 
 
 # ------------------------------------------------------------------------------ micro-benchmarks

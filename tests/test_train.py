@@ -47,11 +47,11 @@ recipe = load_recipe(sys.argv[1])
 mode, at = sys.argv[2], int(sys.argv[3])
 real_save = checkpoint.save_checkpoint
 
-def save(accelerator, out, step, state):
+def save(accelerator, out, step, *state):
     if mode == "kill-during-save" and step == at:
         accelerator.save_state(str(checkpoint.checkpoints_dir(out) / f".tmp-step-{step}"))
         os.kill(os.getpid(), signal.SIGKILL)  # dies after the files, before the rename
-    path = real_save(accelerator, out, step, state)
+    path = real_save(accelerator, out, step, *state)
     if mode == "stop-after-save" and step == at:
         os._exit(17)  # an abrupt end right after a complete checkpoint
     return path
@@ -88,7 +88,7 @@ def uninterrupted(tiny_model_dir: Path, tmp_path_factory) -> Path:
 def test_outputs_of_a_run(uninterrupted: Path) -> None:
     out = uninterrupted
     assert (out / "recipe.yaml").is_file() and (out / "plan.txt").read_text().startswith("# plan")
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2", "step-4"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2", "step-4", "step-6"]
     for name in ("adapter_config.json", "adapter_model.safetensors", "tokenizer.json"):
         assert (out / "final" / name).is_file(), name
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from liger_cli import checkpoint, process_state
+from liger_cli.plain_state import check_distributed_checkpoint_index
 
 if TYPE_CHECKING:
     from liger_cli.plan import Plan
@@ -143,7 +144,11 @@ class Backend:
         adapter = self.recipe.adapter.type != "none"
         if adapter:
             checkpoint.check_adapter_checkpoint(self.accelerator, model, checkpoint_dir)
-        self.accelerator.load_state(str(checkpoint_dir), strict=not adapter)
+        check_distributed_checkpoint_index(checkpoint_dir)  # FSDP's sharded index, before torch unpickles it
+        # weights_only: the optimizer state (accelerate's pickle format) is read as tensors and numbers only
+        self.accelerator.load_state(
+            str(checkpoint_dir), load_kwargs={"weights_only": True}, strict=not adapter
+        )
 
 
 class SingleProcess(Backend):

@@ -1,0 +1,80 @@
+"""What a run's numbers depend on, recorded in every checkpoint and compared on resume.
+
+A checkpoint continues only the run that wrote it: the same model (path and config), adapter,
+data (files and their content), seed, batch sizes, process count and backend. `training.max_steps`
+(or `epochs`) is deliberately not part of it: a finished run may be continued for longer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from liger_cli.errors import UserError
+from liger_cli.recipe import Recipe
+
+FINGERPRINT_FILE = "run.json"
+
+
+def sha256_of(path: Path) -> str:
+    """The sha256 of a file's bytes, or of every file under a folder (names and bytes, in order)."""
+    digest = hashlib.sha256()
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for file in files:
+        if path.is_dir():
+            digest.update(str(file.relative_to(path)).encode() + b"\0")
+        with file.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def fingerprint(recipe: Recipe, num_processes: int, backend: str) -> dict:
+    """Field name -> JSON value, for every setting the run's math depends on."""
+    m, d, t = recipe.model, recipe.data, recipe.training
+    source = Path(m.path or m.config)
+    config = source / "config.json" if source.is_dir() else source
+    data = d.model_dump(mode="json")
+    found = {
+        "model": str(source.resolve()),
+        "model.config sha256": sha256_of(config) if config.is_file() else None,
+        "adapter": recipe.adapter.model_dump(mode="json"),
+        "data": data,
+        "data.train sha256": sha256_of(Path(d.train)),
+        "data.eval sha256": sha256_of(Path(d.eval)) if d.eval is not None else None,
+        "training.seed": t.seed,
+        "training.micro_batch_size": t.micro_batch_size,
+        "training.grad_accum": t.grad_accum,
+        "processes": num_processes,
+        "distributed.backend": backend,
+    }
+    return json.loads(json.dumps(found))  # exactly what a JSON round trip gives back
+
+
+def write_fingerprint(folder: Path, found: dict) -> None:
+    (folder / FINGERPRINT_FILE).write_text(json.dumps(found, indent=2, sort_keys=True))
+
+
+def check_same_run(checkpoint: Path, found: dict) -> None:
+    """A resume that would not continue the same run is a user error naming the first field that differs."""
+    path = checkpoint / FINGERPRINT_FILE
+    try:
+        recorded = json.loads(path.read_text())
+    except (OSError, ValueError):
+        raise UserError(
+            f"cannot resume {checkpoint}: it has no readable {FINGERPRINT_FILE} (what the run depends on); "
+            "start a new run in another output.dir"
+        ) from None
+    for field, value in found.items():
+        if recorded.get(field) != value:
+            raise UserError(
+                f"cannot resume {checkpoint}: {field} differs (checkpoint: {_short(recorded.get(field))}, "
+                f"recipe: {_short(value)}); resume with the recipe that wrote it, or start a new run in "
+                "another output.dir"
+            )
+
+
+def _short(value) -> str:
+    text = json.dumps(value, sort_keys=True)
+    return text if len(text) <= 120 else text[:117] + "..."

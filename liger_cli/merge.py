@@ -1,0 +1,72 @@
+"""`liger merge`: a run's adapter merged into its base model, written as a full model folder.
+
+The merged model is written into a fresh temporary folder beside OUT (a unique name, so it never
+collides with a folder liger did not make) and renamed to OUT only when complete. `--overwrite`
+replaces only a merge folder liger made (it carries MERGE_MARKER), never the run folder, a parent
+of it, or the base model's folder.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+from liger_cli.errors import UserError
+
+MERGE_MARKER = ".liger-merge"
+
+
+def check_merge(run_dir: Path, out_dir: Path, overwrite: bool) -> tuple[Path, str]:
+    """Every check before anything is loaded or written; the adapter folder and its base model."""
+    adapter_dir = run_dir / "final"
+    if not (adapter_dir / "adapter_config.json").is_file():
+        raise UserError(
+            f"no adapter in {adapter_dir}: give the output.dir of a finished LoRA/DoRA run "
+            "(full fine-tuning runs already hold the full model in final/)"
+        )
+    try:
+        base = json.loads((adapter_dir / "adapter_config.json").read_text())["base_model_name_or_path"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise UserError(
+            f"{adapter_dir / 'adapter_config.json'} is not a peft adapter config: {err}"
+        ) from None
+    if not Path(base).is_dir():
+        raise UserError(f"the adapter's base model folder is gone: {base}")
+    out = out_dir.resolve()
+    for precious, what in ((run_dir, "the run folder"), (Path(base), "the base model folder")):
+        if precious.resolve().is_relative_to(out):
+            raise UserError(f"OUT_DIR {out_dir} is {what} or a parent of it: choose another folder")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"OUT_DIR {out_dir} is a file: choose a folder")
+    if out_dir.is_dir() and any(out_dir.iterdir()):
+        if not overwrite:
+            raise UserError(f"{out_dir} is not empty: choose another folder or pass --overwrite")
+        if not (out_dir / MERGE_MARKER).is_file():
+            raise UserError(
+                f"refusing to replace {out_dir}: liger did not write it (no {MERGE_MARKER}); "
+                "choose another folder or remove it yourself"
+            )
+    return adapter_dir, base
+
+
+def merge_adapter(run_dir: Path, out_dir: Path, overwrite: bool = False) -> None:
+    """Merge a finished run's adapter into its base model and save the full model."""
+    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    adapter_dir, _ = check_merge(run_dir, out_dir, overwrite)
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoTokenizer
+
+    model = AutoPeftModelForCausalLM.from_pretrained(adapter_dir, dtype="auto").merge_and_unload()
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        (tmp / MERGE_MARKER).touch()
+        model.save_pretrained(tmp, safe_serialization=True)
+        AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(tmp)
+        if out_dir.exists():  # checked above: empty, or a merge folder liger made
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,241 @@
+"""Resume continues exactly the run that wrote the checkpoint: a finished run can be made longer,
+a finished run is not retrained, and a checkpoint from another recipe is refused by name."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from test_output_safety import one_line_error, snapshot
+from test_train import QUICK_DATA, adapter_weights, liger, recipe_text
+
+STEPS = "micro_batch_size: 4, grad_accum: 2, lr: 5.0e-3, scheduler: constant, seed: 3"
+
+
+def write_recipe(model_dir: Path, folder: Path, max_steps: int, data: Path) -> Path:
+    """LoRA with dropout (the RNG state must be restored exactly), a constant schedule, no eval."""
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / "out"
+    recipe = folder / "r.yaml"
+    recipe.write_text(
+        recipe_text(
+            model_dir,
+            out,
+            adapter="{type: lora, r: 4, alpha: 8, dropout: 0.1}",
+            training=f"{{max_steps: {max_steps}, {STEPS}}}",
+            output=f"{{dir: {out}}}",
+            logging="{every: 1}",
+            data=f"{{train: {data}, format: instruction, max_seq_len: 48}}",
+        )
+    )
+    return recipe
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir: Path, tmp_path_factory) -> dict[str, Path]:
+    """A 4-step run, and a 2-step run (both finished)."""
+    root = tmp_path_factory.mktemp("resume")
+    data = root / "train.jsonl"
+    shutil.copy(QUICK_DATA / "train.jsonl", data)
+    made = {}
+    for steps in (4, 2):
+        recipe = write_recipe(tiny_model_dir, root / f"run{steps}", steps, data)
+        proc = liger("train", str(recipe))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        made[steps] = recipe
+    return made
+
+
+def metric_steps(out: Path) -> list[int]:
+    return [
+        r["step"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r
+    ]
+
+
+def test_the_last_step_writes_a_complete_checkpoint(runs: dict[str, Path]) -> None:
+    out = runs[2].parent / "out"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2"]
+    state = json.loads((out / "checkpoints" / "step-2" / "trainer_state.json").read_text())
+    assert state["step"] == 2
+
+
+def test_resuming_a_finished_run_changes_nothing(runs: dict[str, Path]) -> None:
+    out = runs[2].parent / "out"
+    before = snapshot(out)
+    proc = liger("train", str(runs[2]), "--set", "output.resume=auto")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "is complete (2 of 2 steps): nothing to do" in proc.stdout
+    assert snapshot(out) == before  # no duplicate metric lines, no rewritten plan
+
+
+def test_a_finished_run_continues_bit_identical_to_a_longer_run(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    copy = tmp_path / "run2"
+    shutil.copytree(runs[2].parent, copy)
+    recipe = copy / "r.yaml"
+    recipe.write_text(runs[2].read_text().replace(str(runs[2].parent), str(copy)))
+    proc = liger("train", str(recipe), "--set", "output.resume=auto", "--set", "training.max_steps=4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout and "step-2" in proc.stdout
+    assert metric_steps(copy / "out") == [1, 2, 3, 4]
+    a, b = adapter_weights(runs[4].parent / "out"), adapter_weights(copy / "out")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ("training.micro_batch_size=2", "training.micro_batch_size"),
+        ("data.train=CHANGED", "data.train sha256"),
+    ],
+)
+def test_a_resume_that_differs_names_the_field(
+    runs: dict[str, Path], tmp_path: Path, change: str, field: str
+) -> None:
+    out = runs[4].parent / "out"
+    before = snapshot(out)
+    data = runs[4].parent.parent / "train.jsonl"
+    original = data.read_bytes()
+    if "CHANGED" in change:  # the same file, other content
+        data.write_text(original.decode().replace("seven", "7"))
+        change = "training.max_steps=6"
+    try:
+        line = one_line_error(liger("train", str(runs[4]), "--set", "output.resume=auto", "--set", change))
+    finally:
+        data.write_bytes(original)
+    assert f"{field} differs" in line, line
+    assert snapshot(out) == before
+
+
+# A driver that trains in-process and dies by SIGKILL at a chosen point, in a fresh process.
+KILL_DRIVER = """
+import os, signal, sys
+from liger_cli import checkpoint, train
+from liger_cli.plan import build_plan
+from liger_cli.recipe import load_recipe
+
+recipe = load_recipe(sys.argv[1], sys.argv[4:])
+where, at = sys.argv[2], int(sys.argv[3])
+
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+if where == "mid-save":  # weights and optimizer written, RNG and trainer state not yet
+    real_save_rng = checkpoint.save_rng
+    def save_rng(folder, rank):
+        if folder.name == f".tmp-step-{at}":
+            die()
+        real_save_rng(folder, rank)
+    checkpoint.save_rng = save_rng
+elif where == "mid-step":  # the `at`-th micro-batch of this process: between forward/backward passes
+    real_micro_loss, calls = train.micro_loss, []
+    def micro_loss(*args):
+        calls.append(1)
+        if len(calls) == at:
+            die()
+        return real_micro_loss(*args)
+    train.micro_loss = micro_loss
+elif where == "before-final":  # every step and checkpoint done, the final adapter not written
+    train.save_final = lambda *args: die()
+train.run(recipe, build_plan(recipe))
+"""
+
+
+def killed(recipe: Path, where: str, at: int, *overrides: str) -> int:
+    import subprocess
+    import sys
+
+    args = [sys.executable, "-c", KILL_DRIVER, str(recipe), where, str(at), *overrides]
+    return subprocess.run(args, capture_output=True, text=True, timeout=300).returncode
+
+
+def test_sigkill_at_several_points_then_resume_is_bit_identical(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """Dropout on, a checkpoint every step: killed mid-save, mid-step and before the final save,
+    resumed each time; the final adapter equals the uninterrupted run's bit for bit."""
+    recipe = tmp_path / "r.yaml"
+    out = tmp_path / "out"
+    recipe.write_text(
+        runs[4]
+        .read_text()
+        .replace(str(runs[4].parent / "out"), str(out))
+        .replace("{dir:", "{save_every: 1, dir:")
+    )
+    assert "save_every: 1" in recipe.read_text()
+    auto = "output.resume=auto"
+    assert killed(recipe, "mid-save", 2) == -9
+    assert (out / "checkpoints" / ".tmp-step-2").is_dir()
+    assert [p.name for p in (out / "checkpoints").glob("step-*")] == ["step-1"]
+    assert killed(recipe, "mid-step", 4, auto) == -9  # resumed at step 1; dies inside step 3 (grad_accum 2)
+    assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-1", "step-2"]
+    assert killed(recipe, "before-final", 0, auto) == -9
+    assert not (out / "final").exists() and (out / "checkpoints" / "step-4").is_dir()
+    proc = liger("train", str(recipe), "--set", auto)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step-4" in proc.stdout
+    a, b = adapter_weights(runs[4].parent / "out"), adapter_weights(out)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+class _Planted:
+    """Unpickling this creates a file: proof that a checkpoint file ran code."""
+
+    def __init__(self, proof: Path):
+        self.proof = proof
+
+    def __reduce__(self):
+        return (open, (str(self.proof), "w"))
+
+
+def test_a_tampered_checkpoint_cannot_run_code(runs: dict[str, Path], tmp_path: Path) -> None:
+    import pickle
+
+    copy = tmp_path / "run4"
+    shutil.copytree(runs[4].parent, copy)
+    recipe = copy / "r.yaml"
+    recipe.write_text(runs[4].read_text().replace(str(runs[4].parent), str(copy)))
+    ckpt = copy / "out" / "checkpoints" / "step-4"
+    proof = tmp_path / "code-ran"
+    planted = pickle.dumps(_Planted(proof))
+    # pickles accelerate would read if they were there, beside the ones liger writes in plain formats
+    for name in ("random_states_0.pkl", "scheduler.bin"):
+        (ckpt / name).write_bytes(planted)
+    longer = ("--set", "output.resume=auto", "--set", "training.max_steps=5")
+    proc = liger("train", str(recipe), *longer)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not proof.exists()
+    # the optimizer state (accelerate's pickle format) is read with weights_only: refused, exit 2
+    ckpt = copy / "out" / "checkpoints" / "step-5"
+    (ckpt / "optimizer.bin").write_bytes(planted)
+    line = one_line_error(
+        liger("train", str(recipe), "--set", "output.resume=auto", "--set", "training.max_steps=6")
+    )
+    assert "not plain tensor data" in line
+    assert not proof.exists()
+
+
+def test_a_planted_distributed_checkpoint_index_is_refused(tmp_path: Path) -> None:
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    from liger_cli.plain_state import check_distributed_checkpoint_index
+
+    real = tmp_path / "real"
+    dcp.save({"w": torch.randn(3, 2), "n": {"step": torch.tensor(2.0)}}, checkpoint_id=real, no_dist=True)
+    check_distributed_checkpoint_index(real)  # torch's own index passes
+    planted = tmp_path / "planted" / "pytorch_model_fsdp_0"
+    planted.mkdir(parents=True)
+    (planted / ".metadata").write_bytes(pickle.dumps(_Planted(tmp_path / "code-ran")))
+    with pytest.raises(pickle.UnpicklingError, match="io.open is not part of"):
+        check_distributed_checkpoint_index(tmp_path / "planted")
+    assert not (tmp_path / "code-ran").exists()
