@@ -17,13 +17,9 @@ REPO = Path(__file__).resolve().parents[1]
 QUICKSTART_MODEL = REPO / "recipes" / "quickstart" / "model"
 
 
-def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0, **overrides) -> Path:
-    """A tiny causal LM of `model_type` with the quickstart tokenizer, saved with save_pretrained."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(QUICKSTART_MODEL)
-    settings = dict(
+def tiny_llama_settings(tokenizer) -> dict:
+    """Config sizes of the tests' tiny models (2 layers, hidden 32) and the tokenizer's special ids."""
+    return dict(
         vocab_size=len(tokenizer),
         hidden_size=32,
         intermediate_size=64,
@@ -36,8 +32,15 @@ def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0, **over
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    settings.update(overrides)
-    config = AutoConfig.for_model(model_type, **settings)
+
+
+def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0, **overrides) -> Path:
+    """A tiny causal LM of `model_type` with the quickstart tokenizer, saved with save_pretrained."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(QUICKSTART_MODEL)
+    config = AutoConfig.for_model(model_type, **{**tiny_llama_settings(tokenizer), **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(path, safe_serialization=True)
@@ -74,17 +77,7 @@ def save_remote_code_model(path: Path, seed: int = 0, **overrides) -> Path:
             "AutoConfig": "configuration_scaled_llama.ScaledLlamaConfig",
             "AutoModelForCausalLM": "modeling_scaled_llama.ScaledLlamaForCausalLM",
         },
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        **tiny_llama_settings(tokenizer),
         mlp_multiplier=0.5,
         logit_multiplier=2.0,
     )
