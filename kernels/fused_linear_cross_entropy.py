@@ -71,27 +71,52 @@ def _add_matmul(out, a, b):
         out += torch.mm(a.to(b.dtype), b)
 
 
-class _Blocks:
-    """The vocabulary in blocks: each block's fp32 logits [rows, block] and where the targets fall."""
+def _blocks(vocab: int, block: int) -> list[tuple[int, int]]:
+    return [(v0, min(v0 + block, vocab)) for v0 in range(0, vocab, block)]
 
-    def __init__(self, h2d, weight, bias, target, block):
-        self.h2d, self.weight, self.bias, self.target, self.block = h2d, weight, bias, target, block
 
-    def __iter__(self):
-        vocab = self.weight.shape[0]
-        for v0 in range(0, vocab, self.block):
-            v1 = min(v0 + self.block, vocab)
-            w = self.weight[v0:v1]
-            logits = (
-                torch.mm(self.h2d, w.t())
-                if self.bias is None
-                else torch.addmm(self.bias[v0:v1], self.h2d, w.t())
-            )
-            in_block = (self.target >= v0) & (self.target < v1)
-            column = (self.target - v0).clamp_(0, v1 - v0 - 1).unsqueeze(1)
-            logits = logits.float()
-            yield v0, v1, w, logits, in_block, column
-            del logits  # before the next block's logits exist: one block alive at a time
+def _logits_into(out, h2d, w, bias):
+    """out (fp32, [rows, block]) = h2d @ w.T + bias, the matmul in w's dtype."""
+    if w.dtype == torch.float32:
+        if bias is None:
+            return torch.mm(h2d, w.t(), out=out)
+        return torch.addmm(bias, h2d, w.t(), out=out)
+    return out.copy_(torch.mm(h2d, w.t()) if bias is None else torch.addmm(bias, h2d, w.t()))
+
+
+class _Slots:
+    """Where the first blocks' logits wait between the two passes: in grad_weight's own memory.
+
+    grad_weight ([V, H] fp32) must be returned anyway and is written only in the second pass, so
+    until then it holds H/rows of the logits for free (all of them when rows <= H): those blocks
+    are not recomputed. The slots sit at the end of the buffer, in block order, so writing block k's
+    gradient (rows [v0, v1) of grad_weight, from the start) never reaches a slot not yet consumed;
+    only block k's own slot may overlap its gradient, which then goes through a temporary.
+    """
+
+    def __init__(self, grad_weight, n_rows, bounds):
+        flat, start, self.views = grad_weight.view(-1), 0, []
+        sizes = [n_rows * (v1 - v0) for v0, v1 in bounds]
+        while len(self.views) < len(sizes) and start + sizes[len(self.views)] <= flat.numel():
+            start += sizes[len(self.views)]
+            self.views.append(None)
+        offset, self.ranges = flat.numel() - start, []
+        for k in range(len(self.views)):
+            (v0, v1), size = bounds[k], sizes[k]
+            self.views[k] = flat[offset : offset + size].view(n_rows, v1 - v0)
+            self.ranges.append((offset, offset + size))
+            offset += size
+        self.row_len = grad_weight.shape[1]
+
+    def get(self, k):
+        return self.views[k] if k < len(self.views) else None
+
+    def overlaps_own(self, k, v0, v1):
+        """Does block k's gradient (rows v0:v1 of grad_weight) overlap block k's own slot?"""
+        if k >= len(self.ranges):
+            return False
+        start, end = self.ranges[k]
+        return v0 * self.row_len < end and start < v1 * self.row_len
 
 
 def _forward_torch(h2d, weight, bias, target, valid, label_smoothing, block, grads):
@@ -101,30 +126,48 @@ def _forward_torch(h2d, weight, bias, target, valid, label_smoothing, block, gra
     When only grad_hidden is needed (a frozen lm_head) one pass suffices: like flash attention, it
     keeps a running max and sum of exponentials per row and accumulates exp(logits - max) @ W,
     rescaled whenever the max grows. Otherwise a first pass finds each row's log-sum-exp and a second
-    recomputes each block's logits to write its gradient, so grad_weight is written once per block.
+    writes each block's gradients, grad_weight once per block. Between the passes, exp(logits - max)
+    of the first blocks waits in grad_weight's memory (`_Slots`), so only the others are recomputed:
+    3 + (1 - H/rows) matmul passes over the weight instead of 4, with no memory beyond the floor.
     """
     need_hidden, need_weight, need_bias = grads
     n_rows, vocab = h2d.shape[0], weight.shape[0]
-    blocks = _Blocks(h2d, weight, bias, target, block)
+    device, f32 = h2d.device, torch.float32
+    bounds = _blocks(vocab, block)
     one_pass = need_hidden and not (need_weight or need_bias)
-    running_max = torch.full((n_rows,), float("-inf"), device=h2d.device)
-    sum_exp = torch.zeros(n_rows, device=h2d.device)
-    target_logit = torch.zeros(n_rows, device=h2d.device)
-    logit_sum = torch.zeros(n_rows, device=h2d.device) if label_smoothing > 0 else None
-    acc = torch.zeros(h2d.shape, dtype=torch.float32, device=h2d.device) if one_pass else None
-    for _, _, w, logits, in_block, column in blocks:
+    grad_weight = torch.empty(weight.shape, dtype=f32, device=weight.device) if need_weight else None
+    slots = _Slots(grad_weight, n_rows, bounds) if grad_weight is not None else None
+    running_max = torch.full((n_rows,), float("-inf"), device=device)
+    sum_exp = torch.zeros(n_rows, device=device)
+    target_logit = torch.zeros(n_rows, device=device)
+    logit_sum = torch.zeros(n_rows, device=device) if label_smoothing > 0 else None
+    acc = torch.zeros(h2d.shape, dtype=f32, device=device) if one_pass else None
+    slot_max = []  # per stored block: each row's running max when its exponentials were taken
+
+    def where_target(v0, v1):
+        in_block = (target >= v0) & (target < v1)
+        return in_block, (target - v0).clamp_(0, v1 - v0 - 1).unsqueeze(1)
+
+    for k, (v0, v1) in enumerate(bounds):
+        w, b = weight[v0:v1], None if bias is None else bias[v0:v1]
+        slot = slots.get(k) if slots is not None else None
+        out = slot if slot is not None else torch.empty(n_rows, v1 - v0, dtype=f32, device=device)
+        logits = _logits_into(out, h2d, w, b)
+        in_block, column = where_target(v0, v1)
         target_logit += torch.where(in_block, logits.gather(1, column).squeeze(1), 0.0)
         if logit_sum is not None:
             logit_sum += logits.sum(1)
         new_max = torch.maximum(running_max, logits.amax(1))
         rescale = torch.exp(running_max - new_max)
-        logits.sub_(new_max.unsqueeze(1)).exp_()
+        logits.sub_(new_max.unsqueeze(1)).exp_()  # exp(logits - max): what a slot keeps
         sum_exp.mul_(rescale).add_(logits.sum(1))
         if acc is not None:
             acc.mul_(rescale.unsqueeze(1))
             _add_matmul(acc, logits, w)
+        if slot is not None:
+            slot_max.append(new_max)
         running_max = new_max
-        del logits
+        del logits, out  # before the next block's logits exist: one block alive at a time
     lse = running_max + sum_exp.log()
     loss = lse - target_logit
     if logit_sum is not None:
@@ -133,7 +176,6 @@ def _forward_torch(h2d, weight, bias, target, valid, label_smoothing, block, gra
     if not any(grads):
         return loss, None, None, None
 
-    grad_hidden = grad_weight = grad_bias = None
     if one_pass:  # softmax @ W minus the (smoothed) one-hot target @ W
         grad_hidden = acc.div_(sum_exp.unsqueeze(1))
         for r0 in range(0, n_rows, 1024):  # W[target] a piece at a time: no [rows, hidden] temporary
@@ -141,34 +183,36 @@ def _forward_torch(h2d, weight, bias, target, valid, label_smoothing, block, gra
                 weight[target[r0 : r0 + 1024]].float(), alpha=1.0 - label_smoothing
             )
         if label_smoothing > 0:
-            grad_hidden.sub_(weight.sum(0, dtype=torch.float32) * (label_smoothing / vocab))
+            grad_hidden.sub_(weight.sum(0, dtype=f32) * (label_smoothing / vocab))
         return loss, grad_hidden.mul_(valid.unsqueeze(1)), None, None
 
-    if need_hidden:
-        grad_hidden = torch.zeros(h2d.shape, dtype=torch.float32, device=h2d.device)
-    if need_weight:
-        grad_weight = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
-    if need_bias:
-        grad_bias = torch.empty(vocab, dtype=torch.float32, device=weight.device)
+    grad_hidden = torch.zeros(h2d.shape, dtype=f32, device=device) if need_hidden else None
+    grad_bias = torch.empty(vocab, dtype=f32, device=weight.device) if need_bias else None
     # An ignored row's log-sum-exp is +inf, so its probabilities, hence its gradient, come out 0.
     lse = torch.where(valid, lse, float("inf")).unsqueeze(1)
     smooth = torch.where(valid, label_smoothing / vocab, 0.0).unsqueeze(1) if label_smoothing > 0 else None
-    for v0, v1, w, logits, in_block, column in blocks:
-        logits.sub_(lse).exp_()
-        one_hot = torch.where(in_block & valid, label_smoothing - 1.0, 0.0).unsqueeze(1)
-        logits.scatter_add_(1, column, one_hot)
+    for k, (v0, v1) in enumerate(bounds):
+        w, b = weight[v0:v1], None if bias is None else bias[v0:v1]
+        slot = slots.get(k) if slots is not None else None
+        if slot is not None:  # softmax = exp(logits - max) * exp(max - lse)
+            probs = slot.mul_(torch.exp(slot_max[k].unsqueeze(1) - lse))
+        else:
+            out = torch.empty(n_rows, v1 - v0, dtype=f32, device=device)
+            probs = _logits_into(out, h2d, w, b).sub_(lse).exp_()
+        in_block, column = where_target(v0, v1)
+        probs.scatter_add_(1, column, torch.where(in_block & valid, label_smoothing - 1.0, 0.0).unsqueeze(1))
         if smooth is not None:
-            logits.sub_(smooth)
+            probs.sub_(smooth)
         if grad_hidden is not None:
-            _add_matmul(grad_hidden, logits, w)
-        if grad_weight is not None:
-            if w.dtype == torch.float32:
-                torch.mm(logits.t(), h2d, out=grad_weight[v0:v1])
-            else:
-                grad_weight[v0:v1] = torch.mm(logits.t().to(w.dtype), h2d)
+            _add_matmul(grad_hidden, probs, w)
         if grad_bias is not None:
-            torch.sum(logits, 0, out=grad_bias[v0:v1])
-        del logits
+            torch.sum(probs, 0, out=grad_bias[v0:v1])
+        if grad_weight is not None:
+            if w.dtype == f32 and not slots.overlaps_own(k, v0, v1):
+                torch.mm(probs.t(), h2d, out=grad_weight[v0:v1])
+            else:  # through a temporary: the matmul's dtype, or a slot the result would overwrite
+                grad_weight[v0:v1] = torch.mm(probs.t().to(w.dtype), h2d)
+        del probs
     return loss, grad_hidden, grad_weight, grad_bias
 
 

@@ -408,3 +408,26 @@ def test_importing_liger_kernels_does_not_import_triton():
     env = {k: v for k, v in os.environ.items() if k != "LIGER_KERNEL_BACKEND"}
     code = "import sys, liger_kernels; sys.exit('triton' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], env=env).returncode == 0
+
+
+@pytest.mark.parametrize(
+    "tokens,hidden_size,block",
+    [(40, 16, 50), (40, 16, 7), (12, 16, 50), (16, 16, 300), (3, 64, 64)],
+    ids=["some-blocks-kept", "uneven-blocks", "all-kept", "rows-equal-hidden", "one-block"],
+)
+def test_flce_trainable_head_keeps_logits_in_grad_weight_exactly(tokens, hidden_size, block):
+    # The two-pass path keeps the first blocks' exponentials in grad_weight's memory between the
+    # passes (all of them when tokens <= hidden): every split must give the unfused gradients.
+    vocab = 300
+    hidden, weight, bias = leaf(tokens, hidden_size), leaf(vocab, hidden_size, seed=1), leaf(vocab, seed=2)
+    labels = torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(0))
+    labels[::5] = -100
+    got = fused_linear_cross_entropy(hidden, weight, labels, bias, label_smoothing=0.1, vocab_block=block)
+    want = unfused(hidden, weight, labels, bias, label_smoothing=0.1)
+    torch.testing.assert_close(got, want)
+    for a, b in zip(
+        torch.autograd.grad(got, (hidden, weight, bias)),
+        torch.autograd.grad(want, (hidden, weight, bias)),
+        strict=True,
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
