@@ -1,19 +1,23 @@
 """One rank of a run: train, then end deliberately, and leave a status the launcher can read.
 
-On success a rank destroys the process group before exiting (gloo can deadlock in its destructor
-otherwise: see docs/fsdp-facts.md#launching-on-a-cpu); on failure it writes what went wrong to the
-launcher's status folder (so `liger train` can name the rank) and exits at once, without
+On success a rank destroys the process group (gloo can deadlock in its destructor otherwise: see
+docs/fsdp-facts.md#launching-on-a-cpu), then exits without C++ destructors: a gloo worker thread
+still joinable at interpreter teardown aborts a finished rank ("terminate called without an active
+exception", exit -6, seen in CI after all work was saved). On failure it writes what went wrong to
+the launcher's status folder (so `liger train` can name the rank) and exits at once, without
 destructors that could wait on the other ranks. The launcher (torchrun underneath) then stops the
 others.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
 import traceback
 from pathlib import Path
+from typing import NoReturn
 
 from liger_cli.errors import UserError
 
@@ -26,8 +30,8 @@ def inside_launcher() -> bool:
     return "LOCAL_RANK" in os.environ
 
 
-def run_rank(train) -> int:
-    """Call `train()` as one rank of a launched job; returns 0, or never returns on failure."""
+def run_rank(train) -> NoReturn:
+    """Call `train()` as one rank of a launched job, then end the process: 0 done, else 1 or 2."""
     from liger_cli.backends import DowngradeError
     from liger_cli.train import TrainingDiverged
 
@@ -47,7 +51,7 @@ def run_rank(train) -> int:
         _die(report, f"error: {type(err).__name__}: {err}", 1)
     end_process_group()
     report("ok")
-    return 0
+    exit_now(0)
 
 
 def end_process_group() -> None:
@@ -81,9 +85,17 @@ def _stopped_by_launcher(report):
     return handler
 
 
-def _die(report, message: str, code: int) -> None:
+def exit_now(code: int) -> NoReturn:
+    """Flush what Python buffers, then leave without destructors or atexit hooks (callers close
+    their own files first): teardown could wait forever on a dead peer, or abort a finished rank."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _die(report, message: str, code: int) -> NoReturn:
     rank = os.environ.get("RANK", "0")
     print(f"[rank {rank}] {message}", file=sys.stderr, flush=True)
     report(message)
-    sys.stdout.flush()
-    os._exit(code)  # no destructors: a process-group teardown could wait forever on a dead peer
+    exit_now(code)

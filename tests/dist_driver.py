@@ -19,7 +19,7 @@ from pathlib import Path
 
 from liger_cli import train
 from liger_cli.plan import build_plan
-from liger_cli.rank import end_process_group
+from liger_cli.rank import end_process_group, exit_now
 from liger_cli.recipe import load_recipe
 
 _real_save_final = train.save_final
@@ -111,6 +111,7 @@ def main() -> None:
         if os.environ.get("RANK", "0") == "0":
             Path(spec["zero3_load"]).with_suffix(".zero3.json").write_text(json.dumps(result))
     end_process_group()
+    exit_now(0)  # as a `liger train` rank ends: no C++ teardown that could abort a finished rank
 
 
 if __name__ == "__main__":
