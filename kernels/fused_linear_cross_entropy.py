@@ -10,7 +10,8 @@ Two paths, because a CPU and a GPU want different pieces:
 - PyTorch (CPU): blocks of the vocabulary, all tokens at once, so every matmul has large, efficient
   shapes (token chunks would make the BLAS repack the whole weight once per chunk, twice as slow).
   A frozen lm_head needs one pass (an online softmax, as in flash attention); a trainable one two
-  (log-sum-exp first, then the gradients, grad_weight written once per block).
+  (log-sum-exp first, then the gradients, grad_weight written once per block), and between them
+  the first blocks' exponentials wait in grad_weight's own memory, so only the rest are recomputed.
 - Triton (CUDA): chunks of tokens; our cross-entropy kernel turns each chunk's logits into their
   gradient in place, then cuBLAS feeds both weight-sized matmuls. Nothing is computed twice.
 
@@ -84,6 +85,11 @@ def _logits_into(out, h2d, w, bias):
     return out.copy_(torch.mm(h2d, w.t()) if bias is None else torch.addmm(bias, h2d, w.t()))
 
 
+def _view(buffer, rows, cols):
+    """buffer's first rows * cols elements as a [rows, cols] matrix (None if it is too small)."""
+    return buffer[: rows * cols].view(rows, cols) if rows * cols <= buffer.numel() else None
+
+
 class _Slots:
     """Where the first blocks' logits wait between the two passes: in grad_weight's own memory.
 
@@ -107,9 +113,6 @@ class _Slots:
             self.ranges.append((offset, offset + size))
             offset += size
         self.row_len = grad_weight.shape[1]
-
-    def get(self, k):
-        return self.views[k] if k < len(self.views) else None
 
     def overlaps_own(self, k, v0, v1):
         """Does block k's gradient (rows v0:v1 of grad_weight) overlap block k's own slot?"""
@@ -143,6 +146,13 @@ def _forward_torch(h2d, weight, bias, target, valid, label_smoothing, block, gra
     logit_sum = torch.zeros(n_rows, device=device) if label_smoothing > 0 else None
     acc = torch.zeros(h2d.shape, dtype=f32, device=device) if one_pass else None
     slot_max = []  # per stored block: each row's running max when its exponentials were taken
+    # One buffer for every block not kept in a slot, reused: a fresh 32 MiB each time would cost as
+    # many page faults (the allocator hands blocks this large back to the system when freed).
+    work = torch.empty(n_rows * min(block, vocab), dtype=f32, device=device)
+    n_kept = len(slots.views) if slots is not None else 0
+
+    def buffer(k, v0, v1):
+        return slots.views[k] if k < n_kept else _view(work, n_rows, v1 - v0)
 
     def where_target(v0, v1):
         in_block = (target >= v0) & (target < v1)
@@ -150,9 +160,7 @@ def _forward_torch(h2d, weight, bias, target, valid, label_smoothing, block, gra
 
     for k, (v0, v1) in enumerate(bounds):
         w, b = weight[v0:v1], None if bias is None else bias[v0:v1]
-        slot = slots.get(k) if slots is not None else None
-        out = slot if slot is not None else torch.empty(n_rows, v1 - v0, dtype=f32, device=device)
-        logits = _logits_into(out, h2d, w, b)
+        logits = _logits_into(buffer(k, v0, v1), h2d, w, b)
         in_block, column = where_target(v0, v1)
         target_logit += torch.where(in_block, logits.gather(1, column).squeeze(1), 0.0)
         if logit_sum is not None:
@@ -164,10 +172,10 @@ def _forward_torch(h2d, weight, bias, target, valid, label_smoothing, block, gra
         if acc is not None:
             acc.mul_(rescale.unsqueeze(1))
             _add_matmul(acc, logits, w)
-        if slot is not None:
+        if k < n_kept:
             slot_max.append(new_max)
         running_max = new_max
-        del logits, out  # before the next block's logits exist: one block alive at a time
+        del logits
     lse = running_max + sum_exp.log()
     loss = lse - target_logit
     if logit_sum is not None:
@@ -193,12 +201,10 @@ def _forward_torch(h2d, weight, bias, target, valid, label_smoothing, block, gra
     smooth = torch.where(valid, label_smoothing / vocab, 0.0).unsqueeze(1) if label_smoothing > 0 else None
     for k, (v0, v1) in enumerate(bounds):
         w, b = weight[v0:v1], None if bias is None else bias[v0:v1]
-        slot = slots.get(k) if slots is not None else None
-        if slot is not None:  # softmax = exp(logits - max) * exp(max - lse)
-            probs = slot.mul_(torch.exp(slot_max[k].unsqueeze(1) - lse))
+        if k < n_kept:  # softmax = exp(logits - max) * exp(max - lse)
+            probs = slots.views[k].mul_(torch.exp(slot_max[k].unsqueeze(1) - lse))
         else:
-            out = torch.empty(n_rows, v1 - v0, dtype=f32, device=device)
-            probs = _logits_into(out, h2d, w, b).sub_(lse).exp_()
+            probs = _logits_into(buffer(k, v0, v1), h2d, w, b).sub_(lse).exp_()
         in_block, column = where_target(v0, v1)
         probs.scatter_add_(1, column, torch.where(in_block & valid, label_smoothing - 1.0, 0.0).unsqueeze(1))
         if smooth is not None:
@@ -208,10 +214,13 @@ def _forward_torch(h2d, weight, bias, target, valid, label_smoothing, block, gra
         if grad_bias is not None:
             torch.sum(probs, 0, out=grad_bias[v0:v1])
         if grad_weight is not None:
-            if w.dtype == f32 and not slots.overlaps_own(k, v0, v1):
-                torch.mm(probs.t(), h2d, out=grad_weight[v0:v1])
-            else:  # through a temporary: the matmul's dtype, or a slot the result would overwrite
+            if w.dtype != f32:  # the matmul in the weight's dtype
                 grad_weight[v0:v1] = torch.mm(probs.t().to(w.dtype), h2d)
+            elif not slots.overlaps_own(k, v0, v1):
+                torch.mm(probs.t(), h2d, out=grad_weight[v0:v1])
+            else:  # the result would overwrite its own slot: through `work` (free: probs is in the slot)
+                tmp = _view(work, v1 - v0, h2d.shape[1])
+                grad_weight[v0:v1] = torch.mm(probs.t(), h2d, out=tmp) if tmp is not None else probs.t() @ h2d
         del probs
     return loss, grad_hidden, grad_weight, grad_bias
 
