@@ -44,6 +44,19 @@ SetOption = Annotated[
     list[str] | None,
     typer.Option("--set", help="Override a recipe key, e.g. --set training.lr=1e-4 (repeatable)."),
 ]
+DeviceMemoryOption = Annotated[
+    str | None,
+    typer.Option(
+        "--device-memory",
+        help="Memory of one device for the fit verdict, e.g. 80GB (default: the GPU's, when there is one).",
+    ),
+]
+
+
+def _device_memory(text: str | None) -> int | None:
+    from liger_cli.memory_plan import detected_device_memory, parse_device_memory
+
+    return parse_device_memory(text) if text is not None else detected_device_memory()
 
 
 @app.command()
@@ -52,19 +65,26 @@ def train(
     recipe: Annotated[Path, typer.Argument(help="The YAML recipe.")],
     set_: SetOption = None,
     dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="Print the resolved recipe and the Plan, then exit.")
+        bool,
+        typer.Option("--dry-run", help="Print the resolved recipe, the Plan and the memory plan, then exit."),
     ] = False,
+    device_memory: DeviceMemoryOption = None,
+    json_out: Annotated[bool, typer.Option("--json", help="With --dry-run: one JSON object.")] = False,
 ) -> None:
     """Fine-tune a model as the recipe says (one process here, or many through accelerate)."""
     from liger_cli.recipe import load_recipe
 
+    if (device_memory is not None or json_out) and not dry_run:
+        raise UserError("--device-memory and --json go with --dry-run: add --dry-run")
+    memory_bytes = _device_memory(device_memory) if dry_run else None
     loaded = load_recipe(recipe, set_ or [])
     if dry_run:
         from liger_cli.launch import dry_run
 
-        typer.echo("# resolved recipe")
-        typer.echo(loaded.to_yaml())
-        typer.echo(dry_run(loaded))
+        if not json_out:
+            typer.echo("# resolved recipe")
+            typer.echo(loaded.to_yaml())
+        typer.echo(dry_run(loaded, memory_bytes, as_json=json_out))
         return
     from liger_cli.launch import launch
 
@@ -114,6 +134,7 @@ def inspect_wrap(
     ] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     strict: Annotated[bool, typer.Option(help="Exit 3 when the plan has warnings.")] = False,
+    device_memory: DeviceMemoryOption = None,
 ) -> None:
     """Show how FSDP will shard a model, without loading weights, and warn about plans known to break."""
     if model is None and recipe is None:
@@ -125,6 +146,9 @@ def inspect_wrap(
         raise UserError(f"--backend {backend!r}: choose {' or '.join(FSDP_BACKENDS)}")
     if num_processes is not None and num_processes < 1:
         raise UserError(f"--num-processes {num_processes}: must be at least 1")
+    if device_memory is not None and recipe is None:
+        raise UserError("--device-memory needs --recipe: the memory plan is a recipe's")
+    memory_bytes = _device_memory(device_memory)
 
     raise typer.Exit(
         inspect_command(
@@ -136,6 +160,7 @@ def inspect_wrap(
             lora=lora,
             json_out=json_out,
             strict=strict,
+            device_memory=memory_bytes,
         )
     )
 

@@ -72,6 +72,7 @@ def inspect_command(
     lora: bool,
     json_out: bool,
     strict: bool,
+    device_memory: int | None = None,
 ) -> int:
     """Print the wrap report of MODEL or of the recipe's plan; return 0, or 3 with --strict and warnings.
 
@@ -114,19 +115,36 @@ def inspect_command(
         activation_checkpointing=settings["ac"],
         check_ambient_config=check_ambient,
     )
+    memory = _memory(recipe, plan, built, device_memory) if plan is not None else None
+    if recipe is not None and plan is None:
+        print("note: no memory plan: MODEL or --backend/--wrap-classes/--num-processes change what the "
+              "recipe runs (use --set on `liger train --dry-run` instead)", file=sys.stderr)  # fmt: skip
     if json_out:
         data = report.to_json()
         if plan is not None:
             data["plan"] = plan.to_dict()
+            data["memory"] = memory.to_dict()
         print(json.dumps(data, indent=2))
     else:
         if plan is not None:
             print(plan.render() + "\n")
         print(render_report(report), end="")
+        if memory is not None:
+            print("\n" + memory.render())
     return 3 if strict and report.warnings else 0
 
 
 # --- internals -------------------------------------------------------------------------------------------
+
+
+def _memory(recipe_path: Path, plan: Plan, built: nn.Module, device_memory: int | None):
+    """The recipe's memory plan, on the inspected meta model with the run's kernels patched in."""
+    from liger_cli.memory_plan import plan_memory
+    from liger_cli.model import patch_kernels
+    from liger_cli.recipe import load_recipe
+
+    patch_kernels(built, plan)
+    return plan_memory(load_recipe(recipe_path), plan, built, device_memory)
 
 
 def _from_config(path: Path, trust_remote_code: bool, dtype: torch.dtype | None) -> nn.Module:

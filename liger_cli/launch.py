@@ -18,14 +18,29 @@ from liger_cli.rank import inside_launcher, run_rank
 from liger_cli.recipe import Recipe
 
 
-def dry_run(recipe: Recipe) -> str:
-    """The Plan of a recipe and what its kernels would patch, from the model built on the meta device."""
+def dry_run(recipe: Recipe, device_memory: int | None = None, as_json: bool = False) -> str:
+    """The Plan of a recipe, what its kernels would patch and the memory plan per rank, from the
+    model built on the meta device."""
+    import json
+
+    from liger_cli.memory_plan import plan_memory
     from liger_cli.model import build_meta_model_for, patch_kernels
 
     _quiet_libraries()
     model = build_meta_model_for(recipe)
     plan = build_plan(recipe, model)
-    return render_with(plan, Applied(kernels_patched=patch_kernels(model, plan)))
+    applied = Applied(kernels_patched=patch_kernels(model, plan))
+    memory = plan_memory(recipe, plan, model, device_memory)
+    if as_json:
+        return json.dumps(
+            {
+                "plan": plan.to_dict(),
+                "kernels_patched": list(applied.kernels_patched),
+                "memory": memory.to_dict(),
+            },
+            indent=2,
+        )
+    return render_with(plan, applied) + "\n\n" + memory.render()
 
 
 def launch(recipe: Recipe, recipe_path: Path, overrides: list[str]) -> int:

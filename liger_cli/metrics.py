@@ -18,6 +18,41 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
+class MemoryWatch:
+    """The peak memory a run adds over what its process held before the model was built: what the
+    memory plan (`liger train --dry-run`) estimates. CUDA: the allocator's peak; CPU: the peak RSS
+    (Linux's high-water mark, reset here through /proc/self/clear_refs) over the RSS at the start."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            self.start = torch.cuda.memory_allocated(device)
+            return
+        try:
+            Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+        except OSError:
+            pass  # not Linux, or not allowed: the peak may then include an earlier one
+        self.start = _status_kib("VmRSS") * 1024
+
+    def growth_mb(self) -> float:
+        if self.device.type == "cuda":
+            return (torch.cuda.max_memory_allocated(self.device) - self.start) / 2**20
+        return (_status_kib("VmHWM") * 1024 - self.start) / 2**20
+
+
+def _status_kib(field: str) -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux: the best there is
+
+
 class MetricsLog:
     """Console line + metrics.jsonl + TensorBoard, written by the main process only."""
 

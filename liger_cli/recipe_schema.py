@@ -206,6 +206,12 @@ class DistributedSection(_Section):
     zero_stage: Literal[2, 3] = 3
     activation_checkpointing: Literal["off", "auto", "reentrant", "non_reentrant"] = "off"
 
+    @field_validator("activation_checkpointing", mode="before")
+    @classmethod
+    def _unquoted_off(cls, value):
+        """YAML reads an unquoted `off` (in a recipe or a --set) as false: it means "off"."""
+        return "off" if value is False else value
+
     @model_validator(mode="after")
     def _consistent(self) -> DistributedSection:
         if self.backend == "none" and (self.num_processes > 1 or self.num_machines > 1):

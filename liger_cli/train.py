@@ -30,7 +30,7 @@ from liger_cli.data import build_datasets, collate
 from liger_cli.errors import UserError
 from liger_cli.evaluate import evaluate, label_tokens, micro_loss
 from liger_cli.fingerprint import check_same_run, fingerprint
-from liger_cli.metrics import MetricsLog, peak_memory_mb
+from liger_cli.metrics import MemoryWatch, MetricsLog, peak_memory_mb
 from liger_cli.model import build_model, count_parameters, load_tokenizer
 from liger_cli.output_dir import OutputDecision, claim_output
 from liger_cli.plan import Applied, Plan, render_with
@@ -66,6 +66,9 @@ class Trainer:
     say: object
     fingerprint: dict
     """What the run's math depends on: written into every checkpoint, compared on resume."""
+    memory: MemoryWatch
+    """Started before the model is built: the peak a step adds, as the memory plan estimates it."""
+    peak_growth_mb: float = 0.0
 
 
 def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
@@ -82,11 +85,12 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
     run_fingerprint = fingerprint(recipe, accelerator.num_processes, plan.backend)
     if check_resume(output, data, run_fingerprint, say) == "complete":
         return {}
+    memory = MemoryWatch(accelerator.device)
     model, kernel_report = build_model(recipe, plan)
     claim_output(output, accelerator.is_main_process, accelerator.wait_for_everyone)
     record_plan(recipe, plan, Applied(kernels_patched=kernel_report), accelerator.is_main_process, say)
     describe(model, data, say)
-    trainer = prepare(recipe, backend, model, data, say, run_fingerprint)
+    trainer = prepare(recipe, backend, model, data, say, run_fingerprint, memory)
     if output.resume_from is not None:
         resume(trainer, output.resume_from)
     last = fit(trainer)
@@ -160,7 +164,9 @@ def describe(model, data: Data, say) -> None:
     say(f"data: {len(data.train)} train / {evals} eval examples; {data.total_steps} optimizer steps")
 
 
-def prepare(recipe: Recipe, backend: Backend, model, data: Data, say, found: dict) -> Trainer:
+def prepare(
+    recipe: Recipe, backend: Backend, model, data: Data, say, found: dict, memory: MemoryWatch
+) -> Trainer:
     """AdamW and the schedule; the backend wraps model and optimizer and proves it did as planned."""
     from transformers import get_scheduler
 
@@ -177,7 +183,7 @@ def prepare(recipe: Recipe, backend: Backend, model, data: Data, say, found: dic
     if gathered:
         say(f"fused loss: {gathered}")
     checkpoint.save_only_trainable_weights(backend.accelerator, model, recipe.adapter.type != "none")
-    return Trainer(recipe, backend, model, optimizer, scheduler, data, 0, say, found)
+    return Trainer(recipe, backend, model, optimizer, scheduler, data, 0, say, found, memory)
 
 
 def resume(trainer: Trainer, checkpoint_dir: Path) -> None:
@@ -199,8 +205,12 @@ def finish(trainer: Trainer, last: dict[str, float]) -> None:
     """The final model (gathered by the backend, written by rank 0) and the final metrics."""
     out, accelerator = trainer.recipe.output.dir, trainer.backend.accelerator
     save_final(trainer.backend, trainer.model, trainer.data.tokenizer, out)
+    peak = trainer.peak_growth_mb
+    trainer.say(f"memory: peak {peak:.0f} MiB over the process's memory before the model was built "
+                "(what `liger train --dry-run` estimates)")  # fmt: skip
     if accelerator.is_main_process:
-        (out / FINAL_METRICS).write_text(json.dumps(last, indent=2))  # last: it marks the run complete
+        final = {**last, "peak_mem_growth_mb": peak}
+        (out / FINAL_METRICS).write_text(json.dumps(final, indent=2))  # last: it marks the run complete
     trainer.say(f"done: final model in {out / 'final'}, metrics in {out / 'metrics.jsonl'}")
 
 
@@ -257,6 +267,7 @@ def fit(trainer: Trainer) -> dict[str, float]:
         trainer.optimizer.step()  # under DeepSpeed a no-op (accelerate's wrapper): the engine stepped above
         trainer.scheduler.step()
         trainer.optimizer.zero_grad(set_to_none=True)
+        trainer.peak_growth_mb = trainer.memory.growth_mb()  # before any checkpoint is written
         step += 1
         window_steps += 1
         progress.update(1)

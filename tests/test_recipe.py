@@ -63,6 +63,14 @@ def test_overrides_are_parsed_as_yaml_and_validated(workdir: Path) -> None:
     assert recipe.adapter.target_modules == ["q_proj", "v_proj"]
 
 
+def test_unquoted_off_means_off_for_activation_checkpointing(workdir: Path) -> None:
+    """YAML 1.1 reads an unquoted `off` as false, in a recipe and in a --set alike."""
+    on = load_recipe(write(workdir, GOOD), ["distributed.activation_checkpointing=auto"])
+    assert on.distributed.activation_checkpointing == "auto"
+    off = load_recipe(write(workdir, GOOD), ["distributed.activation_checkpointing=off"])
+    assert off.distributed.activation_checkpointing == "off"
+
+
 def test_wrap_classes_are_split_trimmed_and_deduplicated(workdir: Path) -> None:
     recipe = load_recipe(write(workdir, GOOD), ["distributed.fsdp.wrap_classes= A , A,B,"])
     assert recipe.distributed.fsdp.wrap_classes == ["A", "B"]

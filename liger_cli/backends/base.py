@@ -37,6 +37,13 @@ class Backend:
     shards_parameters: ClassVar[bool] = False
     """Parameters are sharded over ranks (FSDP, ZeRO): decides `activation_checkpointing: auto`."""
     fsdp_version: ClassVar[int | None] = None
+    gradient_copies: ClassVar[int] = 1
+    """Gradient-sized buffers per rank (the memory plan): DDP adds its all-reduce buckets."""
+
+    @classmethod
+    def memory_shards(cls, zero_stage: int) -> frozenset[str]:
+        """Of "parameters", "gradients" and "optimizer", what each rank holds 1/N of (the memory plan)."""
+        return frozenset()
 
     def __init__(self, recipe: Recipe, plan: Plan):
         self.recipe, self.plan = recipe, plan

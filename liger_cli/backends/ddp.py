@@ -9,6 +9,7 @@ from liger_cli.backends.base import Backend, DowngradeError
 
 class Ddp(Backend):
     name, display, accelerate_types = "ddp", "DDP", ("MULTI_CPU", "MULTI_GPU")
+    gradient_copies = 2  # the gradients and DDP's all-reduce buckets (not views of them by default)
 
     def accelerator_kwargs(self) -> dict:
         from accelerate.utils import DistributedDataParallelKwargs

@@ -26,6 +26,10 @@ class _Fsdp(Backend):
     accelerate_types = ("FSDP",)
     shards_parameters = True
 
+    @classmethod
+    def memory_shards(cls, zero_stage: int) -> frozenset[str]:
+        return frozenset({"parameters", "gradients", "optimizer"})
+
     def plugin_kwargs(self) -> dict:
         raise NotImplementedError
 

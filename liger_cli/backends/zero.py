@@ -22,6 +22,11 @@ class DeepSpeed(Backend):
     name, display, accelerate_types = "deepspeed", "DeepSpeed", ("DEEPSPEED",)
     shards_parameters = True
 
+    @classmethod
+    def memory_shards(cls, zero_stage: int) -> frozenset[str]:
+        """ZeRO-2 partitions gradients and optimizer states; ZeRO-3 the parameters too."""
+        return frozenset({"gradients", "optimizer"} | ({"parameters"} if zero_stage == 3 else set()))
+
     def plugin(self):
         from accelerate import DeepSpeedPlugin
 
