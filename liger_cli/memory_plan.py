@@ -105,8 +105,10 @@ class MemoryPlan:
     def render(self) -> str:
         width = max(len(name) for name in self.components)
         lines = ["# memory per rank (estimate)"]
-        lines += [
-            f"{name:<{width}}  {size(b):>10}  {self.notes[name]}" for name, b in self.components.items()
+        lines += [  # a zero overhead (a CPU) stays in the JSON only
+            f"{name:<{width}}  {size(b):>10}  {self.notes[name]}"
+            for name, b in self.components.items()
+            if b or name != "overhead"
         ]
         lines.append(f"{'total':<{width}}  {size(self.total):>10}  peak of a training step, per rank")
         if self.device_memory is None:
@@ -184,9 +186,8 @@ def estimate(facts: Facts, s: Settings) -> tuple[dict[str, int], dict[str, str]]
         acts = facts.activations.checkpointed() if s.checkpointing else facts.activations.total
         parts["activations"] = int(acts * s.micro_batch / facts.batch)
     parts["loss"], notes["loss"] = _loss(facts, s.micro_batch * facts.seq_len, s.fused_loss)
-    overhead = OVERHEAD_BYTES.get(facts.device, OVERHEAD_BYTES["cuda"])
-    if overhead:
-        parts["overhead"], notes["overhead"] = overhead, "CUDA context, workspaces"
+    parts["overhead"] = OVERHEAD_BYTES.get(facts.device, OVERHEAD_BYTES["cuda"])
+    notes["overhead"] = "CUDA context, workspaces" if parts["overhead"] else "none measurable on a CPU"
     return parts, notes
 
 

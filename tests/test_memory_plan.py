@@ -178,3 +178,23 @@ def test_70b_on_8_processes_from_its_config_alone(tmp_path):
     print(
         f"70B, 8 processes: {elapsed:.1f} s in a fresh process, {memory['total_bytes'] / 2**30:.1f} GiB per rank"
     )
+
+
+def test_a_forward_that_cannot_run_on_meta_is_not_guessed(tmp_path):
+    """Mixtral routes tokens by their values: no meta measurement, so no verdict either."""
+    recipe = tmp_path / "moe.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "model": {"config": str(REPO / "tests/configs/mixtral-8x7b/config.json"), "dtype": "bfloat16",
+                  "tokenizer": str(QUICKSTART_MODEL)},
+        "adapter": {"type": "lora", "r": 8, "alpha": 16},
+        "data": {"train": str(REPO / "recipes/bench/train.jsonl"), "format": "text", "max_seq_len": 1024},
+        "training": {"max_steps": 1},
+        "kernels": {"check": False},
+        "distributed": {"backend": "fsdp2", "num_processes": 8},
+        "output": {"dir": str(tmp_path / "out")},
+    }))  # fmt: skip
+    memory = estimate(recipe, device_memory=80 * 2**30)
+    assert memory["components"]["activations"] == 0 and memory["fits"] is None
+    text = cli("train", str(recipe), "--dry-run", "--device-memory", "80GB").stdout
+    assert "NOT MEASURED (its forward cannot run on the meta device" in text
+    assert "verdict: unknown (the lower bound is" in text
