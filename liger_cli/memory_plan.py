@@ -312,7 +312,7 @@ def measure_facts(recipe: Recipe, plan: Plan, model: nn.Module) -> Facts:
         activations=activations,
         batch=batch,
         seq_len=seq_len,
-        hidden=config.hidden_size,
+        hidden=head.weight.shape[1] if head is not None else config.hidden_size,
         vocab=head.weight.shape[0] if head is not None else config.vocab_size,
         lm_head_trainable=bool(head is not None and head.weight.requires_grad),
         device=plan.device,
