@@ -101,15 +101,15 @@ class _Slots:
     """
 
     def __init__(self, grad_weight, n_rows, bounds):
-        flat, start, self.views = grad_weight.view(-1), 0, []
+        flat = grad_weight.view(-1)
         sizes = [n_rows * (v1 - v0) for v0, v1 in bounds]
-        while len(self.views) < len(sizes) and start + sizes[len(self.views)] <= flat.numel():
-            start += sizes[len(self.views)]
-            self.views.append(None)
-        offset, self.ranges = flat.numel() - start, []
-        for k in range(len(self.views)):
-            (v0, v1), size = bounds[k], sizes[k]
-            self.views[k] = flat[offset : offset + size].view(n_rows, v1 - v0)
+        kept = 0  # the first blocks whose logits fit together
+        while kept < len(sizes) and sum(sizes[: kept + 1]) <= flat.numel():
+            kept += 1
+        offset = flat.numel() - sum(sizes[:kept])
+        self.views, self.ranges = [], []
+        for (v0, v1), size in zip(bounds[:kept], sizes, strict=False):
+            self.views.append(flat[offset : offset + size].view(n_rows, v1 - v0))
             self.ranges.append((offset, offset + size))
             offset += size
         self.row_len = grad_weight.shape[1]

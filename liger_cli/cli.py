@@ -148,7 +148,7 @@ def inspect_wrap(
         raise UserError(f"--num-processes {num_processes}: must be at least 1")
     if device_memory is not None and recipe is None:
         raise UserError("--device-memory needs --recipe: the memory plan is a recipe's")
-    memory_bytes = _device_memory(device_memory)
+    memory_bytes = _device_memory(device_memory) if recipe is not None else None
 
     raise typer.Exit(
         inspect_command(

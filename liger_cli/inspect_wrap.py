@@ -25,6 +25,7 @@ from liger_cli.wrap import WrapResolution, plan_units, render_report, resolve_wr
 
 if TYPE_CHECKING:
     from liger_cli.plan import Plan
+    from liger_cli.recipe import Recipe
 
 _FACTORY = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 _SPEC_HELP = "give a Hugging Face model folder, a config.json file, or package.module:factory"
@@ -80,11 +81,12 @@ def inspect_command(
     """
     settings = {"backend": "fsdp2", "num_processes": 1, "wrap_classes": None, "flce": False, "ac": "off"}
     check_ambient = True
-    plan = None
+    plan = recipe_loaded = None
     if recipe is not None:
         # The recipe's Plan is shown when the report is the recipe's: no option overrides it.
         as_recipe_runs = backend is None and wrap_classes is None and num_processes is None
         loaded, built, plan = _recipe_model(recipe, model, with_plan=as_recipe_runs)
+        recipe_loaded = loaded.pop("recipe")
         settings.update(loaded)
         check_ambient = loaded["accelerate_config"] is None
     else:
@@ -115,7 +117,7 @@ def inspect_command(
         activation_checkpointing=settings["ac"],
         check_ambient_config=check_ambient,
     )
-    memory = _memory(recipe, plan, built, device_memory) if plan is not None else None
+    memory = _memory(recipe_loaded, plan, built, device_memory) if plan is not None else None
     if recipe is not None and plan is None:
         print("note: no memory plan: MODEL or --backend/--wrap-classes/--num-processes change what the "
               "recipe runs (use --set on `liger train --dry-run` instead)", file=sys.stderr)  # fmt: skip
@@ -137,14 +139,13 @@ def inspect_command(
 # --- internals -------------------------------------------------------------------------------------------
 
 
-def _memory(recipe_path: Path, plan: Plan, built: nn.Module, device_memory: int | None):
+def _memory(recipe: Recipe, plan: Plan, built: nn.Module, device_memory: int | None):
     """The recipe's memory plan, on the inspected meta model with the run's kernels patched in."""
     from liger_cli.memory_plan import plan_memory
     from liger_cli.model import patch_kernels
-    from liger_cli.recipe import load_recipe
 
     patch_kernels(built, plan)
-    return plan_memory(load_recipe(recipe_path), plan, built, device_memory)
+    return plan_memory(recipe, plan, built, device_memory)
 
 
 def _from_config(path: Path, trust_remote_code: bool, dtype: torch.dtype | None) -> nn.Module:
@@ -203,6 +204,7 @@ def _recipe_model(
         "flce": recipe.kernels.fused_linear_cross_entropy,
         "ac": dist.activation_checkpointing,
         "accelerate_config": dist.accelerate_config,
+        "recipe": recipe,
     }
     return settings, built, plan
 

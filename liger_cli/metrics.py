@@ -19,26 +19,34 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 class MemoryWatch:
-    """The peak memory a run adds over what its process held before the model was built: what the
-    memory plan (`liger train --dry-run`) estimates. CUDA: the allocator's peak; CPU: the peak RSS
-    (Linux's high-water mark, reset here through /proc/self/clear_refs) over the RSS at the start."""
+    """The peak memory of a training step over what the process held before the model was built:
+    what the memory plan (`liger train --dry-run`) estimates. Each step's peak is taken from a
+    high-water mark reset when the step begins, so loading weights and writing checkpoints between
+    steps do not count. CUDA: the allocator's peak; CPU: the peak RSS (Linux's VmHWM, reset through
+    /proc/self/clear_refs)."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-            self.start = torch.cuda.memory_allocated(device)
+        cuda = device.type == "cuda"
+        self.start = torch.cuda.memory_allocated(device) if cuda else _status_kib("VmRSS") * 1024
+        self.peak_mb = 0.0
+        """The largest step peak so far, MiB over `start`."""
+
+    def step_begins(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
             return
         try:
             Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
         except OSError:
-            pass  # not Linux, or not allowed: the peak may then include an earlier one
-        self.start = _status_kib("VmRSS") * 1024
+            pass  # not Linux, or not allowed: the peak then includes earlier ones
 
-    def growth_mb(self) -> float:
+    def step_ends(self) -> None:
         if self.device.type == "cuda":
-            return (torch.cuda.max_memory_allocated(self.device) - self.start) / 2**20
-        return (_status_kib("VmHWM") * 1024 - self.start) / 2**20
+            high = torch.cuda.max_memory_allocated(self.device)
+        else:
+            high = _status_kib("VmHWM") * 1024
+        self.peak_mb = max(self.peak_mb, (high - self.start) / 2**20)
 
 
 def _status_kib(field: str) -> int:

@@ -68,7 +68,6 @@ class Trainer:
     """What the run's math depends on: written into every checkpoint, compared on resume."""
     memory: MemoryWatch
     """Started before the model is built: the peak a step adds, as the memory plan estimates it."""
-    peak_growth_mb: float = 0.0
 
 
 def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
@@ -205,7 +204,7 @@ def finish(trainer: Trainer, last: dict[str, float]) -> None:
     """The final model (gathered by the backend, written by rank 0) and the final metrics."""
     out, accelerator = trainer.recipe.output.dir, trainer.backend.accelerator
     save_final(trainer.backend, trainer.model, trainer.data.tokenizer, out)
-    peak = trainer.peak_growth_mb
+    peak = trainer.memory.peak_mb
     trainer.say(f"memory: peak {peak:.0f} MiB over the process's memory before the model was built "
                 "(what `liger train --dry-run` estimates)")  # fmt: skip
     if accelerator.is_main_process:
@@ -239,6 +238,7 @@ def fit(trainer: Trainer) -> dict[str, float]:
     log = progress.write if not progress.disable else say
     model.train()
     while step < data.total_steps:
+        trainer.memory.step_begins()
         micro = [
             collate([data.train[i] for i in data.batches.indices(step * t.grad_accum + a)], pad_id)
             for a in range(t.grad_accum)
@@ -267,7 +267,7 @@ def fit(trainer: Trainer) -> dict[str, float]:
         trainer.optimizer.step()  # under DeepSpeed a no-op (accelerate's wrapper): the engine stepped above
         trainer.scheduler.step()
         trainer.optimizer.zero_grad(set_to_none=True)
-        trainer.peak_growth_mb = trainer.memory.growth_mb()  # before any checkpoint is written
+        trainer.memory.step_ends()
         step += 1
         window_steps += 1
         progress.update(1)
