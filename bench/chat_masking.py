@@ -4,7 +4,7 @@
 
 For each template family of tests/test_chat_templates.py, encodes the same conversations (a system
 prompt and three user/assistant exchanges, with reasoning on every assistant turn) with
-`liger_cli.chat.encode_chat`, and, as the baseline measured in the same run, with one
+`liger_cli.data.chat.encode_chat`, and, as the baseline measured in the same run, with one
 `apply_chat_template(tokenize=True)` per conversation (what any chat pipeline has to do at least).
 Prints seconds per 1,000 conversations and the ratio. Prefix-stable templates render each turn's
 prefix twice more; Qwen3-style ones (earlier turns render differently) also render edited copies.
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from test_chat_templates import family_tokenizer  # noqa: E402
 
-from liger_cli.chat import encode_chat  # noqa: E402
+from liger_cli.data.chat import encode_chat  # noqa: E402
 
 
 def conversations(n: int) -> list[dict]:

@@ -1,7 +1,7 @@
 """How long the pre-training kernel check takes on published 70B-class configs (target: under 10 s).
 
 For each config: a fresh process imports liger, reads the config, builds the tiny twin and compares
-every requested kernel on one training step (`liger_cli.kernel_check.check_kernels`); the check's own
+every requested kernel on one training step (`liger_cli.twin.kernel_check.check_kernels`); the check's own
 time and the process's wall time (imports included) are printed.
 
     python bench/kernel_check.py            # tests/configs/llama-3-70b and mixtral-8x7b
@@ -21,7 +21,7 @@ CONFIGS = [REPO / "tests" / "configs" / "llama-3-70b", REPO / "tests" / "configs
 CHILD = """
 import json, sys, time
 from transformers import AutoConfig
-from liger_cli.kernel_check import check_kernels
+from liger_cli.twin.kernel_check import check_kernels
 config = AutoConfig.from_pretrained(sys.argv[1])
 kernels = dict(rms_norm=True, rope=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True)
 check = check_kernels(config, kernels)

@@ -54,7 +54,7 @@ DeviceMemoryOption = Annotated[
 
 
 def _device_memory(text: str | None) -> int | None:
-    from liger_cli.memory_plan import detected_device_memory, parse_device_memory
+    from liger_cli.plan.memory import detected_device_memory, parse_device_memory
 
     return parse_device_memory(text) if text is not None else detected_device_memory()
 
@@ -79,7 +79,7 @@ def train(
     memory_bytes = _device_memory(device_memory) if dry_run else None
     loaded = load_recipe(recipe, set_ or [])
     if dry_run:
-        from liger_cli.launch import dry_run
+        from liger_cli.plan.dry_run import dry_run
 
         if not json_out:
             typer.echo("# resolved recipe")
@@ -87,8 +87,9 @@ def train(
         typer.echo(dry_run(loaded, memory_bytes, as_json=json_out))
         return
     from liger_cli.launch import launch
+    from liger_cli.run.train import run
 
-    raise typer.Exit(launch(loaded, recipe_path=recipe, overrides=set_ or []))
+    raise typer.Exit(launch(loaded, recipe_path=recipe, overrides=set_ or [], train=run))
 
 
 @app.command()
@@ -109,7 +110,7 @@ def data(
         raise UserError(f"--show {show}: must be 0 or more")
     if jsonl is not None and jsonl.is_dir():
         raise UserError(f"--jsonl {jsonl} is a folder: give a file path, e.g. {jsonl / 'examples.jsonl'}")
-    from liger_cli.data_report import data_command
+    from liger_cli.data.report import data_command
 
     raise typer.Exit(data_command(recipe, set_ or [], show=show, jsonl=jsonl))
 
@@ -139,8 +140,8 @@ def inspect_wrap(
     """Show how FSDP will shard a model, without loading weights, and warn about plans known to break."""
     if model is None and recipe is None:
         raise UserError("give a MODEL (folder, config.json or package.module:factory) or --recipe RECIPE")
-    from liger_cli.backends import FSDP_BACKENDS
-    from liger_cli.inspect_wrap import inspect_command
+    from liger_cli.plan.backends import FSDP_BACKENDS
+    from liger_cli.plan.inspect_wrap import inspect_command
 
     if backend is not None and backend not in FSDP_BACKENDS:
         raise UserError(f"--backend {backend!r}: choose {' or '.join(FSDP_BACKENDS)}")

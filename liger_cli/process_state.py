@@ -126,3 +126,17 @@ def fsdp1_shard_sizes(unit) -> tuple[int, int] | None:
 def clean_parameter_name(name: str) -> str:
     """A parameter name without the wrapper modules FSDP and checkpointing insert."""
     return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
+
+
+def quiet_libraries() -> None:
+    """Our own progress and metrics lines are the run's log: silence libraries' bars and notices."""
+    import logging
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    # peft still calls transformers' deprecated `is_gradient_checkpointing`: not the user's concern.
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)

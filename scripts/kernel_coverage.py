@@ -1,8 +1,8 @@
 """Walk every causal-LM model type of the installed transformers and check our kernels on each.
 
-For each type: its config class's defaults, shrunk to a tiny twin (`liger_cli.tiny`), the router's
+For each type: its config class's defaults, shrunk to a tiny twin (`liger_cli.twin.tiny`), the router's
 auxiliary loss on where the config has one, one training step unpatched and then with each kernel
-patched (`liger_cli.kernel_check.compare_kernels`): the loss and every gradient must agree, or the
+patched (`liger_cli.twin.kernel_check.compare_kernels`): the loss and every gradient must agree, or the
 kernel must be left alone by `patch_model` with a reason. A disagreement is "silently wrong", an
 exception in a patched model is a crash; the sweep test (tests/test_kernel_sweep.py) requires none.
 
@@ -41,8 +41,8 @@ def check_type(model_type: str) -> dict:
     from transformers import AutoConfig
     from transformers.utils import logging
 
-    from liger_cli.kernel_check import compare_kernels, train_step
-    from liger_cli.tiny import TinyModelError, tiny_batch, tiny_causal_lm
+    from liger_cli.twin.kernel_check import compare_kernels, train_step
+    from liger_cli.twin.tiny import TinyModelError, tiny_batch, tiny_causal_lm
 
     torch.set_num_threads(1)  # tiny tensors: one thread per worker, no spinning threads fighting
     logging.set_verbosity_error()

@@ -5,7 +5,7 @@ launch costs 10-20 s of imports, so the cases of a backend share it. Usage:
     python -m torch.distributed.run --nproc_per_node 2 tests/dist_driver.py SPEC.json
 SPEC: {"cases": [{"recipe": PATH, "env": {NAME: VALUE}}], "field_failure_1": RECIPE_PATH or null,
 "zero3_load": RECIPE_PATH or null}.
-Each case trains through `liger_cli.train.run`, exactly as `liger train` does in each rank, and
+Each case trains through `liger_cli.run.train.run`, exactly as `liger train` does in each rank, and
 writes `checks.json` beside its metrics: whether embedding and lm_head are still one parameter, and
 how many elements of lm_head.weight this rank holds outside any forward (0 when ZeRO-3 partitions it).
 """
@@ -17,10 +17,10 @@ import os
 import sys
 from pathlib import Path
 
-from liger_cli import train
+from liger_cli.launch.rank import end_process_group, exit_now
 from liger_cli.plan import build_plan
-from liger_cli.rank import end_process_group, exit_now
 from liger_cli.recipe import load_recipe
+from liger_cli.run import train
 
 _real_save_final = train.save_final
 
@@ -41,8 +41,8 @@ def field_failure_1(recipe_path: str) -> str:
     fused loss did. Returns the error text (the test expects a shape error)."""
     import torch
 
-    from liger_cli.backends import backend_for
     from liger_cli.model import build_model
+    from liger_cli.run.backends import backend_for
 
     recipe = load_recipe(recipe_path, ["kernels.fused_linear_cross_entropy=false"])
     plan = build_plan(recipe)
@@ -66,8 +66,8 @@ def zero3_load(recipe_path: str) -> dict:
     from safetensors.torch import load_file
     from transformers.integrations import is_deepspeed_zero3_enabled
 
-    from liger_cli.backends import backend_for
     from liger_cli.model import build_model
+    from liger_cli.run.backends import backend_for
 
     recipe = load_recipe(recipe_path)
     plan = build_plan(recipe)

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from liger_cli.data import prepare_data
-from liger_cli.encode import IGNORE_INDEX
+from liger_cli.data.encode import IGNORE_INDEX
 from liger_cli.errors import UserError
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "recipes" / "quickstart"

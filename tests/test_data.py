@@ -12,9 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from liger_cli import encode
-from liger_cli.data import build_datasets, prepare_data
-from liger_cli.encode import IGNORE_INDEX, collate, pack_examples, render_instruction_prompt
+from liger_cli.data import build_datasets, encode, prepare_data
+from liger_cli.data.encode import IGNORE_INDEX, collate, pack_examples, render_instruction_prompt
 from liger_cli.errors import UserError
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "recipes" / "quickstart"

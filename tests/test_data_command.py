@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from liger_cli import cli
 from liger_cli.data import build_datasets
-from liger_cli.encode import IGNORE_INDEX
+from liger_cli.data.encode import IGNORE_INDEX
 from liger_cli.recipe import load_recipe
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -23,7 +23,7 @@ def run(*args: str):
 
 
 def test_quickstart_report_show_and_jsonl_match_training(tmp_path):
-    from liger_cli.model import load_tokenizer
+    from liger_cli.data.tokenizer import load_tokenizer
 
     out = tmp_path / "examples.jsonl"
     sets = ["--set", f"data.train={EVAL}", "--set", "data.eval=null"]
@@ -130,8 +130,8 @@ def test_show_on_a_terminal_highlights_instead_of_marking(tmp_path):
     from rich.console import Console
 
     from liger_cli.data import prepare_data
-    from liger_cli.data_report import show_examples
-    from liger_cli.model import load_tokenizer
+    from liger_cli.data.report import show_examples
+    from liger_cli.data.tokenizer import load_tokenizer
 
     recipe = load_recipe(RECIPES / "chat.yaml")
     tok = load_tokenizer(recipe)

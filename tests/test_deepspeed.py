@@ -145,10 +145,10 @@ def test_zero3_checkpoint_resumes_in_a_new_launch(runs, tmp_path: Path) -> None:
 def test_deepspeed_backend_without_deepspeed_is_a_user_error(assets, tmp_path: Path, monkeypatch) -> None:  # noqa: F811
     import importlib.util
 
-    from liger_cli.backends import backend_for
     from liger_cli.errors import UserError
     from liger_cli.plan import build_plan
     from liger_cli.recipe import load_recipe
+    from liger_cli.run.backends import backend_for
 
     recipe = load_recipe(write_recipe(assets, tmp_path / "out", "deepspeed"))
     find_spec = importlib.util.find_spec

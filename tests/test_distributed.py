@@ -279,7 +279,7 @@ def test_a_killed_rank_ends_the_job_and_is_named(assets, tmp_path: Path) -> None
 
 def test_multi_machine_command(assets, tmp_path: Path) -> None:
     """A 2-machine recipe passes machine count, rank, address and port to accelerate, as an argv list."""
-    from liger_cli.multiprocess import accelerate_config, launch_argv, launch_env
+    from liger_cli.launch.multiprocess import accelerate_config, launch_argv, launch_env
     from liger_cli.plan import build_plan
     from liger_cli.recipe import load_recipe
 

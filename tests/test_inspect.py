@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from liger_cli.errors import UserError
-from liger_cli.inspect_wrap import build_meta_model, inspect_command
+from liger_cli.plan.inspect_wrap import build_meta_model, inspect_command
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "tests" / "configs"

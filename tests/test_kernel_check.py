@@ -14,8 +14,8 @@ from conftest import save_remote_code_model
 from liger_kernels import patch_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from liger_cli.kernel_check import check_kernels, compare_kernels, disagreement, train_step
-from liger_cli.tiny import tiny_batch, tiny_causal_lm
+from liger_cli.twin.kernel_check import check_kernels, compare_kernels, disagreement, train_step
+from liger_cli.twin.tiny import tiny_batch, tiny_causal_lm
 
 ALL_ON = dict(rms_norm=True, rope=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True)
 
@@ -112,12 +112,14 @@ def test_moe_fused_loss_keeps_the_router_loss_and_experts_take_swiglu():
 
 
 def test_a_twin_that_cannot_be_built_leaves_the_kernels_as_requested(monkeypatch):
-    import liger_cli.tiny
+    import liger_cli.twin.tiny
 
     def no_twin(*args, **kwargs):
-        raise liger_cli.tiny.TinyModelError("LlamaConfig: the shrunk model still has 9,999,999 parameters")
+        raise liger_cli.twin.tiny.TinyModelError(
+            "LlamaConfig: the shrunk model still has 9,999,999 parameters"
+        )
 
-    monkeypatch.setattr(liger_cli.tiny, "tiny_causal_lm", no_twin)
+    monkeypatch.setattr(liger_cli.twin.tiny, "tiny_causal_lm", no_twin)
     check = check_kernels(AutoConfig.for_model("llama"), ALL_ON)
     assert check.not_run and "9,999,999 parameters" in check.not_run
     assert check.kernels == ALL_ON and check.lines()[0].startswith("kernel check: not run (no tiny twin")

@@ -1,4 +1,5 @@
-"""The code's shape, checked: no import cycles, small modules, no backend names in the training loop."""
+"""The code's shape, checked: stages that import down the flow only, no import cycles, small modules, no
+backend names in the training loop."""
 
 from __future__ import annotations
 
@@ -60,6 +61,49 @@ def test_no_import_cycles() -> None:
             visit(name, [])
 
 
+# The flow, first to last: a stage may import the stages before it, never one after it. The base
+# (errors, process-wide state) is below every stage; the commands sit on top of all of them.
+BASE = ("liger_cli", "liger_cli.errors", "liger_cli.process_state")
+STAGES = ("recipe", "data", "model", "twin", "plan", "launch", "run")
+COMMANDS = ("liger_cli.cli", "liger_cli.__main__", "liger_cli.merge", "liger_cli.bench")
+
+
+def _level(module: str) -> int:
+    if module in BASE:
+        return 0
+    if module.startswith(COMMANDS):
+        return len(STAGES) + 1
+    stage = module.split(".")[1]
+    assert stage in STAGES, f"{module} belongs to no stage: put it in one of {STAGES}"
+    return STAGES.index(stage) + 1
+
+
+def test_imports_point_down_the_flow_only() -> None:
+    modules = _modules()
+    for name, path in modules.items():
+        for dep in _imports(path, set(modules)):
+            if dep.startswith(name + ".") or dep == name:
+                continue
+            assert _level(dep) <= _level(name), f"{name} imports {dep}, a later stage of the flow"
+
+
+def test_the_flow_is_visible_at_the_top_level() -> None:
+    """A few modules at the top (the CLI and what every stage shares); each stage a package that
+    opens with what it does and what it may import."""
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= 10, top
+    for stage in STAGES:
+        doc = ast.get_docstring(ast.parse((PACKAGE / stage / "__init__.py").read_text()))
+        assert doc and "import" in doc, (
+            f"liger_cli/{stage}/__init__.py must say its job and what it may import"
+        )
+
+
+def test_kernels_import_nothing_of_liger_cli() -> None:
+    for path in (PACKAGE.parent / "kernels").rglob("*.py"):
+        assert "liger_cli" not in path.read_text(), f"{path.name} imports liger_cli: kernels/ is a leaf"
+
+
 def test_modules_are_small_and_none_shadows_the_standard_library() -> None:
     import sys
 
@@ -71,8 +115,14 @@ def test_modules_are_small_and_none_shadows_the_standard_library() -> None:
 
 
 def test_training_loop_and_launch_name_no_backend() -> None:
-    """Backend differences live in liger_cli/backends/: the loop asks its Backend object."""
-    for module in ("train.py", "launch.py", "checkpoint.py", "model.py"):
+    """Backend differences live in liger_cli/run/backends/: the loop asks its Backend object."""
+    for module in (
+        "run/train.py",
+        "run/evaluate.py",
+        "launch/start.py",
+        "run/checkpoint.py",
+        "model/build.py",
+    ):
         text = (PACKAGE / module).read_text()
         for name in ('"fsdp1"', '"fsdp2"', '"deepspeed"', '"ddp"', "distributed_type", "DEEPSPEED"):
             assert name not in text, f"{module} names {name}"

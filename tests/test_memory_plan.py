@@ -67,7 +67,7 @@ def liger(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
 
 def estimate(recipe: Path, *overrides: str, device_memory: int | None = None) -> dict:
     """What `liger train RECIPE --dry-run --json` prints under "memory" (in this process: faster)."""
-    from liger_cli.launch import dry_run
+    from liger_cli.plan.dry_run import dry_run
     from liger_cli.recipe import load_recipe
 
     return json.loads(dry_run(load_recipe(recipe, list(overrides)), device_memory, as_json=True))["memory"]
@@ -146,7 +146,7 @@ def test_bad_device_memory_is_one_line_and_exit_2(tmp_path, args, message):
 
 
 def test_device_memory_sizes():
-    from liger_cli.memory_plan import parse_device_memory
+    from liger_cli.plan.memory import parse_device_memory
 
     assert parse_device_memory("80GB") == parse_device_memory("80GiB") == 80 * 2**30
     assert parse_device_memory("16384MB") == 16 * 2**30

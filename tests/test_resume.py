@@ -116,7 +116,7 @@ def test_a_resume_that_differs_names_the_field(
 # A driver that trains in-process and dies by SIGKILL at a chosen point, in a fresh process.
 KILL_DRIVER = """
 import os, signal, sys
-from liger_cli import checkpoint, train
+from liger_cli.run import checkpoint, train
 from liger_cli.plan import build_plan
 from liger_cli.recipe import load_recipe
 
@@ -134,13 +134,14 @@ if where == "mid-save":  # weights and optimizer written, RNG and trainer state 
         real_save_rng(folder, rank)
     checkpoint.save_rng = save_rng
 elif where == "mid-step":  # the `at`-th micro-batch of this process: between forward/backward passes
-    real_micro_loss, calls = train.micro_loss, []
-    def micro_loss(*args):
+    from liger_cli.run.objectives.causal_lm import CausalLM
+    real_loss, calls = CausalLM.loss, []
+    def loss(*args):
         calls.append(1)
         if len(calls) == at:
             die()
-        return real_micro_loss(*args)
-    train.micro_loss = micro_loss
+        return real_loss(*args)
+    CausalLM.loss = loss
 elif where == "before-final":  # every step and checkpoint done, the final adapter not written
     train.save_final = lambda *args: die()
 train.run(recipe, build_plan(recipe))
@@ -228,7 +229,7 @@ def test_a_planted_distributed_checkpoint_index_is_refused(tmp_path: Path) -> No
 
     import torch.distributed.checkpoint as dcp
 
-    from liger_cli.plain_state import check_distributed_checkpoint_index
+    from liger_cli.run.plain_state import check_distributed_checkpoint_index
 
     real = tmp_path / "real"
     dcp.save({"w": torch.randn(3, 2), "n": {"step": torch.tensor(2.0)}}, checkpoint_id=real, no_dist=True)

@@ -39,7 +39,7 @@ def liger(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
 # A driver that trains in-process and simulates a crash at a chosen point, in a fresh process.
 CRASH_DRIVER = """
 import os, signal, sys
-from liger_cli import checkpoint, train
+from liger_cli.run import checkpoint, train
 from liger_cli.plan import build_plan
 from liger_cli.recipe import load_recipe
 

@@ -14,9 +14,8 @@ import torch
 from torch import nn
 
 from liger_cli.errors import UserError
-from liger_cli.inspect_wrap import build_meta_model
-from liger_cli.process_state import accelerate_env
-from liger_cli.wrap import (
+from liger_cli.plan.inspect_wrap import build_meta_model
+from liger_cli.plan.wrap import (
     ENV_KEY,
     ROOT,
     WrapResolution,
@@ -25,6 +24,7 @@ from liger_cli.wrap import (
     resolve_wrap_classes,
     split_names,
 )
+from liger_cli.process_state import accelerate_env
 
 CONFIGS = Path(__file__).parent / "configs"
 

@@ -1,0 +1,217 @@
+"""`liger data RECIPE`: what training will see, before paying for it.
+
+The data goes through `liger_cli.data.prepare_data`, the function `liger train` calls, so the
+counts, the labels and the warnings are those of the run. This module only reads the result:
+a report (counts, tokens, the share learned, packing efficiency, a length histogram, warnings),
+`--show N` (examples with the learned tokens highlighted and special tokens as written) and
+`--jsonl OUT` (the examples exactly as training receives them before packing).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from liger_cli.data.build import WARNINGS, Split
+from liger_cli.data.encode import IGNORE_INDEX
+from liger_cli.errors import UserError
+
+# Without colour (piped, NO_COLOR), learned tokens are written between these markers.
+LEARNED_OPEN, LEARNED_CLOSE = "[[", "]]"
+HISTOGRAM_BINS = 8
+BAR_WIDTH = 40
+
+
+def data_command(recipe_path: Path, overrides: list[str], show: int = 0, jsonl: Path | None = None) -> int:
+    """Load, validate and tokenize the recipe's data as `liger train` does; print the report."""
+    from rich.console import Console
+
+    from liger_cli.data.build import prepare_data
+    from liger_cli.data.tokenizer import load_tokenizer
+    from liger_cli.recipe import load_recipe
+
+    recipe = load_recipe(recipe_path, overrides)
+    tokenizer = load_tokenizer(recipe)
+    data_logger = logging.getLogger("liger_cli.data")
+    level = data_logger.level
+    data_logger.setLevel(logging.ERROR)  # the report below says everything the log lines would
+    try:
+        train, evald = prepare_data(recipe.data, tokenizer, recipe.training.seed)
+    finally:
+        data_logger.setLevel(level)
+
+    console = Console(highlight=False, soft_wrap=True)
+    d = recipe.data
+    console.print(
+        f"data: {recipe_path} (format {d.format}, max_seq_len {d.max_seq_len}, "
+        f"packing {'on' if d.packing else 'off'}"
+        + (
+            f", learn_turns {d.learn_turns}, learn_reasoning {str(d.learn_reasoning).lower()}"
+            if d.format == "chat"
+            else ""
+        )
+        + ")"
+    )
+    for name, split in (("train", train), ("eval", evald)):
+        if split is not None:
+            console.print()
+            console.print(report_text(name, split))
+    console.print()
+    console.print(warnings_text([train, evald]))
+    if show > 0:
+        show_examples(console, train, tokenizer, show)
+    if jsonl is not None:
+        n = write_jsonl(jsonl, [("train", train), ("eval", evald)])
+        console.print(f"\nwrote {n} examples to {jsonl}")
+    return 0
+
+
+def report_text(name: str, split: Split) -> str:
+    """Counts, tokens, share learned, packing efficiency and a length histogram for one split."""
+    ex = split.examples
+    lengths = [len(ids) for ids in ex["input_ids"]]
+    n_tokens = sum(lengths)
+    n_learned = sum(sum(1 for label in labels[1:] if label != IGNORE_INDEX) for labels in ex["labels"])
+    dropped = sum(split.dropped.values())
+    why = "".join(f"\n    dropped, {reason}: {n}" for reason, n in split.dropped.items())
+    rows = len(split.dataset) if split.packing else _packed_rows(lengths, split.max_seq_len)
+    efficiency = n_tokens / (rows * split.max_seq_len)
+    packing = (
+        f"packing: {rows:,} rows of {split.max_seq_len} tokens, {efficiency:.1%} filled"
+        if split.packing
+        else f"packing: off (packing: true would fill {rows:,} rows of {split.max_seq_len} at {efficiency:.1%})"
+    )
+    lines = [
+        f"{name}: {_shown(split.path)}",
+        f"  examples: {split.rows:,} rows, {len(ex):,} kept, {split.truncated:,} truncated, {dropped:,} dropped{why}",
+        f"  tokens: {n_tokens:,}, learned {n_learned:,} ({n_learned / max(n_tokens, 1):.1%})",
+        f"  {packing}",
+        f"  length (tokens before truncation): min {min(ex['length'])}, "
+        f"median {sorted(ex['length'])[len(ex) // 2]}, max {max(ex['length'])}",
+        *_histogram(ex["length"], split.max_seq_len),
+    ]
+    return "\n".join(lines)
+
+
+def warnings_text(splits: list[Split | None]) -> str:
+    found = [w for s in splits if s is not None for w in s.warnings]
+    if not found:
+        return "warnings: none"
+    lines = ["warnings:"]
+    for code in WARNINGS:
+        hits = [w for w in found if w.code == code]
+        if hits:
+            lines.append(f"  {code}: {len(hits)} example(s), {WARNINGS[code]}")
+            lines += [f"    {w.path.name} {_row(w)}, {w.field}: {w.message}" for w in hits[:3]]
+    return "\n".join(lines)
+
+
+def show_examples(console, split: Split, tokenizer, n: int) -> None:
+    """Each example's tokens, the learned ones highlighted (or between [[ ]] without colour)."""
+    from rich.text import Text
+
+    plain = console.color_system is None or console.no_color
+    special = set(getattr(tokenizer, "all_special_ids", [])) | {
+        i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special
+    }
+    if plain:
+        legend = f"learned tokens are between {LEARNED_OPEN} and {LEARNED_CLOSE}; special tokens as written"
+    else:
+        legend = "learned tokens in green; special tokens in magenta"
+    console.print(f"\nfirst {min(n, len(split.examples))} train examples ({legend}):")
+    for k in range(min(n, len(split.examples))):
+        ex = split.examples[k]
+        ids, labels = ex["input_ids"], ex["labels"]
+        learned = [label != IGNORE_INDEX for label in labels]
+        cut = f", truncated from {ex['length']}" if ex["length"] > len(ids) else ""
+        console.print(
+            f"\n--- {split.path.name} row {ex['row'] + 1}: {len(ids)} tokens{cut}, {sum(learned[1:])} learned ---"
+        )
+        text = Text()
+        keys = [(is_learned, not plain and i in special) for i, is_learned in zip(ids, learned, strict=True)]
+        for start, end in _runs(keys):
+            piece = tokenizer.decode(ids[start:end], skip_special_tokens=False)
+            is_learned, is_special = learned[start], ids[start] in special
+            if plain:
+                text.append(f"{LEARNED_OPEN}{piece}{LEARNED_CLOSE}" if is_learned else piece)
+            else:
+                style = ("bold magenta" if is_special else "") + (" on dark_green" if is_learned else "")
+                text.append(piece, style=style.strip() or None)
+        console.print(text)
+
+
+def write_jsonl(path: Path, splits) -> int:
+    """One line per example before packing: split, row (1-based, in its file), input_ids, labels."""
+    n = 0
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = path.open("w", encoding="utf-8")
+    except OSError as err:
+        raise UserError(f"--jsonl {path}: cannot write it ({err.strerror}); give a file path") from None
+    with f:
+        for name, split in splits:
+            if split is None:
+                continue
+            for ex in split.examples:
+                record = {
+                    "split": name,
+                    "row": ex["row"] + 1,
+                    "input_ids": ex["input_ids"],
+                    "labels": ex["labels"],
+                }
+                f.write(json.dumps(record) + "\n")
+                n += 1
+    return n
+
+
+def _shown(path: Path) -> Path:
+    """The path relative to the working directory when it is below it (shorter, as the user typed it)."""
+    try:
+        return path.relative_to(Path.cwd())
+    except ValueError:
+        return path
+
+
+def _row(w) -> str:
+    from liger_cli.data.files import where
+
+    return where(w.path, w.row)
+
+
+def _runs(keys: list) -> list[tuple[int, int]]:
+    """(start, end) of each run of equal consecutive keys."""
+    runs, start = [], 0
+    for t in range(1, len(keys) + 1):
+        if t == len(keys) or keys[t] != keys[start]:
+            runs.append((start, t))
+            start = t
+    return runs
+
+
+def _packed_rows(lengths: list[int], max_seq_len: int) -> int:
+    """How many rows the greedy packer (encode.pack_examples) fills with examples of these lengths."""
+    rows, used = 0, 0
+    for n in lengths:
+        if rows == 0 or used + n > max_seq_len:
+            rows, used = rows + 1, 0
+        used += n
+    return rows
+
+
+def _histogram(lengths: list[int], max_seq_len: int) -> list[str]:
+    """Text bars: HISTOGRAM_BINS equal bins up to max_seq_len, then one for the truncated."""
+    width = -(-max_seq_len // HISTOGRAM_BINS)
+    counts = [0] * (HISTOGRAM_BINS + 1)
+    for n in lengths:
+        counts[min((n - 1) // width, HISTOGRAM_BINS) if n <= max_seq_len else HISTOGRAM_BINS] += 1
+    top = max(counts) or 1
+    labels = [f"{b * width + 1}-{min((b + 1) * width, max_seq_len)}" for b in range(HISTOGRAM_BINS)]
+    labels.append(f"> {max_seq_len}")
+    pad = max(len(label) for label in labels)
+    return [
+        f"    {label:>{pad}} | {'#' * round(BAR_WIDTH * c / top):<{BAR_WIDTH}} {c:,}"
+        for label, c in zip(labels, counts, strict=True)
+        if c or label != labels[-1]
+    ]

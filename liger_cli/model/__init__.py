@@ -1,0 +1,32 @@
+"""Stage 3, the model: the recipe's model (real, or on the meta device), its adapter, activation
+checkpointing and our kernels patched into the instance (`build.py`).
+
+Takes plain decisions (which kernels, which checkpointing) rather than the Plan, which is decided
+later in the flow from this stage's meta model. May import `recipe` and `data`.
+"""
+
+from liger_cli.model.build import (
+    add_adapter,
+    build_meta_model_for,
+    build_model,
+    count_parameters,
+    meta_model_from_config,
+    meta_twin,
+    model_dtype,
+    patch_kernels,
+    read_config,
+    twin_adapter,
+)
+
+__all__ = [
+    "add_adapter",
+    "build_meta_model_for",
+    "build_model",
+    "count_parameters",
+    "meta_model_from_config",
+    "meta_twin",
+    "model_dtype",
+    "patch_kernels",
+    "read_config",
+    "twin_adapter",
+]

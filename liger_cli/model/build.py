@@ -1,0 +1,208 @@
+"""Model, tokenizer, adapters and kernels, built as the recipe and the Plan say.
+
+The order matters and is the same everywhere: load (or build) the model, switch off the KV cache,
+add the adapter through peft, enable activation checkpointing, patch our kernels into the
+instance. Loading passes every argument of `model.load_kwargs` to `from_pretrained` untouched
+(a wrapper that drops a loading argument breaks engines such as ZeRO-3:
+see docs/field-failures.md#zero-3-loading-drops-an-argument).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from liger_cli.errors import UserError
+from liger_cli.recipe import Recipe
+
+
+class Decisions(Protocol):
+    """What building the model needs of the Plan (decided later in the flow, from the meta model)."""
+
+    kernels: dict[str, bool]
+    activation_checkpointing: str
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def model_dtype(recipe: Recipe) -> torch.dtype:
+    """Weights stay fp32 under mixed precision; an explicit model.dtype wins."""
+    if recipe.model.dtype != "auto":
+        return DTYPES[recipe.model.dtype]
+    return torch.float32
+
+
+def read_config(source: Path, trust_remote_code: bool = False):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(f"cannot read a model config from {source}: {first}") from None
+
+
+def meta_model_from_config(
+    source: Path, trust_remote_code: bool = False, dtype: torch.dtype | None = None, attn_implementation=None
+) -> nn.Module:
+    """A causal LM from its config on the meta device: structure only, no weights read or allocated.
+
+    `dtype` None keeps the config's own dtype (what the checkpoint holds)."""
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+
+    config = read_config(source, trust_remote_code)
+    if dtype is None:
+        dtype = config.dtype if isinstance(getattr(config, "dtype", None), torch.dtype) else torch.float32
+    kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    try:
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            model = AutoModelForCausalLM.from_config(config, **kwargs)
+    except ValueError as err:
+        raise UserError(f"{source}: not a causal language model transformers can build: {err}") from None
+    model.config.use_cache = False
+    return model
+
+
+def load_base_model(recipe: Recipe) -> nn.Module:
+    """`from_pretrained` for a model folder, `from_config` (seeded random init) for model.config."""
+    from transformers import AutoModelForCausalLM
+
+    m = recipe.model
+    kwargs = {"dtype": model_dtype(recipe), "trust_remote_code": m.trust_remote_code}
+    if m.attn_implementation:
+        kwargs["attn_implementation"] = m.attn_implementation
+    if m.path is not None:
+        model = AutoModelForCausalLM.from_pretrained(m.path, **kwargs, **m.load_kwargs)
+    else:
+        torch.manual_seed(recipe.training.seed)
+        model = AutoModelForCausalLM.from_config(read_config(m.config, m.trust_remote_code), **kwargs)
+    # A cache during recompute grows and breaks checkpointing
+    # (see docs/field-failures.md#checkpointing-recomputes-different-shapes).
+    model.config.use_cache = False
+    return model
+
+
+def _peft_config(recipe: Recipe):
+    from peft import LoraConfig
+
+    a = recipe.adapter
+    return LoraConfig(
+        r=a.r,
+        lora_alpha=a.alpha,
+        lora_dropout=a.dropout,
+        target_modules=a.target_modules,
+        use_dora=a.type == "dora",
+        task_type="CAUSAL_LM",
+    )
+
+
+def add_adapter(model: nn.Module, recipe: Recipe, low_cpu_mem_usage: bool = False) -> nn.Module:
+    """peft's own LoRA/DoRA; `low_cpu_mem_usage` builds the adapter on the meta device too."""
+    if recipe.adapter.type == "none":
+        return model
+    from peft import get_peft_model
+
+    try:
+        return get_peft_model(model, _peft_config(recipe), low_cpu_mem_usage=low_cpu_mem_usage)
+    except ValueError as err:
+        raise UserError(f"adapter: {err}; check adapter.target_modules") from None
+
+
+def enable_activation_checkpointing(model: nn.Module, plan: Decisions) -> None:
+    """Checkpoint every decoder layer with the implementation the Plan chose
+    (see docs/field-failures.md#checkpointing-recomputes-different-shapes).
+
+    Through transformers' `activation_checkpointing_enable` (`gradient_checkpointing_enable` is
+    deprecated); it also makes the embeddings' output require grad, without which reentrant
+    checkpointing over a frozen base (LoRA) passes no gradient ("element 0 of tensors does not
+    require grad"). The KV cache stays off: one that grows during recompute breaks the shapes.
+    """
+    if plan.activation_checkpointing == "off":
+        return
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.activation_checkpointing_enable({"use_reentrant": plan.activation_checkpointing == "reentrant"})
+    base.config.use_cache = False
+
+
+def build_model(recipe: Recipe, plan: Decisions) -> tuple[nn.Module, tuple[str, ...]]:
+    """The model a run trains: base + adapter + checkpointing + our kernels; and the kernels' report."""
+    model = load_base_model(recipe)
+    model = add_adapter(model, recipe)
+    enable_activation_checkpointing(model, plan)
+    return model, patch_kernels(model, plan)
+
+
+def patch_kernels(model: nn.Module, plan: Decisions) -> tuple[str, ...]:
+    """Patch the Plan's kernels into this model instance; returns the patch report, one line each."""
+    from liger_kernels import patch_model
+
+    if not any(plan.kernels.values()):
+        return ("none (all kernels off in the recipe)",)
+    try:
+        report = patch_model(model, **plan.kernels)
+    except ValueError as err:
+        raise UserError(f"kernels: {err}") from None
+    return tuple(report.lines())
+
+
+def twin_adapter(recipe: Recipe):
+    """For the kernel check's tiny twin: the recipe's adapter with random (not zero) LoRA B, so the
+    adapter's path changes the outputs and its gradients are compared too; None without an adapter."""
+    if recipe.adapter.type == "none":
+        return None
+    from peft import get_peft_model
+
+    config = _peft_config(recipe)
+    config.init_lora_weights = False
+
+    def add(model: nn.Module) -> nn.Module:
+        return get_peft_model(model, config)
+
+    return add
+
+
+def build_meta_model_for(recipe: Recipe) -> nn.Module:
+    """The recipe's model and adapter on the meta device: structure only, no weights read."""
+    m = recipe.model
+    model = meta_model_from_config(
+        m.path or m.config, m.trust_remote_code, model_dtype(recipe), m.attn_implementation
+    )
+    return add_adapter(model, recipe, low_cpu_mem_usage=True)
+
+
+def meta_twin(peft_model: nn.Module) -> nn.Module:
+    """The same peft model on the meta device: module paths free of wrapper names, no memory.
+
+    peft names the adapter's weights after module paths; under FSDP-1 those contain
+    `_fsdp_wrapped_module` in the middle (peft strips only a leading one), so `save_pretrained`
+    silently writes an empty adapter. The twin's paths match the clean state dict FSDP gives.
+    """
+    import copy
+
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = peft_model.get_base_model()
+    with torch.device("meta"):
+        twin_base = AutoModelForCausalLM.from_config(base.config)
+    twin_base.name_or_path = base.name_or_path
+    name = peft_model.active_adapter
+    return get_peft_model(twin_base, copy.deepcopy(peft_model.peft_config[name]), adapter_name=name)
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    """(trainable, total), counting a tied weight once."""
+    seen: dict[int, nn.Parameter] = {id(p): p for p in model.parameters()}
+    size = {key: getattr(p, "ds_numel", p.numel()) for key, p in seen.items()}  # ZeRO-3: the full size
+    total = sum(size.values())
+    trainable = sum(size[key] for key, p in seen.items() if p.requires_grad)
+    return trainable, total

@@ -1,0 +1,194 @@
+"""The Plan: every decision the launcher makes, made once, frozen, and printed.
+
+`build_plan` is the one place that decides: from the recipe and the model built on the meta device
+(FSDP wrap classes are resolved on it, before any plugin exists). `liger train --dry-run`,
+`liger inspect-wrap --recipe` and the run's own log all print this same object, and later steps
+(model, backend, loop) only read it. What set-up learns afterwards (what the kernels patched) is
+not written into the Plan: it comes back as an `Applied` value, printed beside it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from torch import nn
+
+from liger_cli.errors import UserError
+from liger_cli.model import build_meta_model_for
+from liger_cli.plan.backends import BACKENDS, BackendFacts
+from liger_cli.plan.wrap.resolve import resolve_wrap_classes
+from liger_cli.recipe import Recipe
+
+
+@dataclass(frozen=True)
+class Plan:
+    backend: str
+    num_processes: int
+    """Total processes over all machines (accelerate's meaning of --num_processes)."""
+    num_machines: int
+    device: str
+    precision: str
+    model: str
+    adapter: str
+    kernels: dict[str, bool]
+    """The kernels to patch (name -> on)."""
+    activation_checkpointing: str
+    activation_checkpointing_reason: str
+    global_batch: int
+    length: str
+    kernels_off: dict[str, str] = field(default_factory=dict)
+    """Kernels the recipe asked for but the launcher switched off, with the reason."""
+    wrap_classes: tuple[str, ...] | None = None
+    """FSDP wrap classes, resolved on the model (None: the backend does not wrap)."""
+    wrap_source: str | None = None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def distributed(self) -> bool:
+        return self.num_processes > 1
+
+    def to_dict(self) -> dict[str, Any]:
+        """The Plan as JSON values (tuples become lists)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+    def render(self) -> str:
+        on = [name for name, enabled in self.kernels.items() if enabled]
+        rows = [
+            ("backend", f"{BACKENDS[self.backend].display} ({self.backend})"),
+            ("processes", f"{self.num_processes} on {self.num_machines} machine(s)"),
+            ("device / precision", f"{self.device} / {self.precision}"),
+            ("model", self.model),
+            ("adapter", self.adapter),
+            ("kernels requested", ", ".join(on) or "none"),
+            ("activation ckpt", f"{self.activation_checkpointing} ({self.activation_checkpointing_reason})"),
+            ("global batch", f"{self.global_batch} sequences per optimizer step"),
+            ("length", self.length),
+        ]
+        if self.kernels_off:
+            rows.append(("kernels off", "; ".join(f"{k}: {why}" for k, why in self.kernels_off.items())))
+        if self.wrap_classes is not None:
+            classes = ", ".join(self.wrap_classes) or "[] (the whole model is one unit)"
+            rows.append(("FSDP wrap classes", f"{classes} (from {self.wrap_source})"))
+        width = max(len(name) for name, _ in rows)
+        lines = ["# plan"] + [f"{name:<{width}}  {value}" for name, value in rows]
+        lines += [f"note: {note}" for note in self.notes]
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Applied:
+    """What set-up did that the Plan could only ask for; printed beside the Plan, never written into it."""
+
+    kernels_patched: tuple[str, ...] = ()
+    """Our kernels' patch report, one line per kernel."""
+
+    def render(self) -> str:
+        return "\n".join(f"kernels patched    {line}" for line in self.kernels_patched)
+
+
+def render_with(plan: Plan, applied: Applied) -> str:
+    """The Plan and, beside it, what set-up applied: the text of the run log and `plan.txt`."""
+    return "\n".join(part for part in (plan.render(), applied.render()) if part)
+
+
+def build_plan(recipe: Recipe, model: nn.Module | None = None, env: Mapping[str, str] | None = None) -> Plan:
+    """Decide everything the recipe leaves to the launcher.
+
+    `model` is the recipe's model (meta or real) that FSDP wrap classes are resolved against; when it
+    is needed and not given, it is built on the meta device (structure only, no weights read).
+    """
+    import torch
+
+    env = os.environ if env is None else env
+    dist = recipe.distributed
+    backend = BACKENDS[dist.backend]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    world = dist.num_processes * dist.num_machines
+    t = recipe.training
+    ac_mode, ac_reason = _activation_checkpointing(recipe, backend)
+    kernels = recipe.kernels.requested()
+    kernels_off: dict[str, str] = {}
+    m = recipe.model
+    notes: list[str] = []
+    if recipe.kernels.check and any(kernels.values()):
+        check = _check_kernels(recipe, kernels)
+        kernels, kernels_off = check.kernels, check.switched_off
+        notes += check.lines()
+    wrap_classes = wrap_source = None
+    if backend.fsdp_version:
+        model = build_meta_model_for(recipe) if model is None else model
+        resolution = resolve_wrap_classes(model, dist.fsdp.wrap_classes, env)
+        wrap_classes, wrap_source = tuple(resolution.classes), resolution.source
+        notes += [f"[{w.code}] {w.message}" for w in resolution.warnings]
+    if device == "cpu" and any(kernels.values()):
+        notes.append("on a CPU the kernels run their PyTorch paths (Triton needs a GPU)")
+    return Plan(
+        backend=dist.backend,
+        num_processes=world,
+        num_machines=dist.num_machines,
+        device=device,
+        precision=_precision(recipe, device),
+        model=f"{m.path} (from_pretrained)" if m.path else f"{m.config} (from_config, random init)",
+        adapter=_adapter(recipe),
+        kernels=kernels,
+        kernels_off=kernels_off,
+        activation_checkpointing=ac_mode,
+        activation_checkpointing_reason=ac_reason,
+        global_batch=t.micro_batch_size * t.grad_accum * world,
+        length=f"{t.max_steps} optimizer steps" if t.max_steps else f"{t.epochs or 1:g} epoch(s)",
+        wrap_classes=wrap_classes,
+        wrap_source=wrap_source,
+        notes=tuple(notes),
+    )
+
+
+def _check_kernels(recipe: Recipe, kernels: dict[str, bool]):
+    """Each requested kernel on a tiny twin of the recipe's model (liger_cli.twin.kernel_check)."""
+    from liger_cli.model import read_config, twin_adapter
+    from liger_cli.twin.kernel_check import check_kernels
+
+    m = recipe.model
+    config = read_config(m.path or m.config, m.trust_remote_code)
+    return check_kernels(config, kernels, m.trust_remote_code, add_adapter=twin_adapter(recipe))
+
+
+def _precision(recipe: Recipe, device: str) -> str:
+    asked = recipe.training.precision
+    if asked == "auto":
+        if device == "cuda":
+            import torch
+
+            return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        return "fp32"
+    if asked == "fp16" and device == "cpu":
+        raise UserError("training.precision fp16 needs a GPU; on a CPU use fp32 (or bf16)")
+    return asked
+
+
+def _activation_checkpointing(recipe: Recipe, backend: BackendFacts) -> tuple[str, str]:
+    """Pick a checkpointing implementation known to work for the backend.
+
+    Non-reentrant checkpointing under FSDP failed in the field (a KV cache growing during recompute;
+    see docs/field-failures.md#checkpointing-recomputes-different-shapes); reentrant is the pairing
+    users confirmed under sharding. Under DDP, reentrant checkpointing conflicts with DDP's
+    gradient-ready hooks, so non-reentrant is the safe choice there. The cache is always off.
+    """
+    mode = recipe.distributed.activation_checkpointing
+    if mode == "off":
+        return "off", "recipe"
+    if mode != "auto":
+        return mode, "recipe; use_cache off"
+    if backend.shards_parameters:
+        return "reentrant", f"auto for {backend.name}: the pairing confirmed under sharding; use_cache off"
+    return "non_reentrant", f"auto for {backend.name}: safe with DDP's hooks; use_cache off"
+
+
+def _adapter(recipe: Recipe) -> str:
+    a = recipe.adapter
+    if a.type == "none":
+        return "none (full fine-tuning)"
+    targets = a.target_modules if isinstance(a.target_modules, str) else ",".join(a.target_modules)
+    return f"{a.type} r={a.r} alpha={a.alpha:g} dropout={a.dropout:g} targets={targets}"

@@ -1,0 +1,125 @@
+"""Which module classes become FSDP units: recipe > FSDP_TRANSFORMER_CLS_TO_WRAP > `_no_split_modules` > [].
+
+`resolve_wrap_classes` is the one place that decides the classes, for `liger train` (through the
+Plan) and `liger inspect-wrap` alike, so what inspect shows is what runs. Names are cleaned the way
+accelerate does not (see docs/field-failures.md#empty-wrap-class-names).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from liger_cli.errors import UserError
+from liger_cli.plan.wrap.report import WrapWarning, format_size
+from liger_cli.process_state import WRAP_ENV as ENV_KEY
+
+SOURCES = ("recipe", "env", "no_split_modules", "none")
+_LAYER_LIKE = re.compile(r"(Layer|Block)$")
+
+
+@dataclass(frozen=True)
+class WrapResolution:
+    """The classes to wrap and where the answer came from ("recipe" | "env" | "no_split_modules" | "none")."""
+
+    classes: list[str]
+    source: str
+    warnings: list[WrapWarning] = field(default_factory=list)
+
+
+def split_names(value: str | Iterable[str] | None) -> list[str]:
+    """Comma-split, strip, drop empty names, de-duplicate in order: "" and " , " give [], never [""]."""
+    if value is None:
+        return []
+    parts = [value] if isinstance(value, str) else list(value)
+    names = [name.strip() for part in parts for name in str(part).split(",")]
+    return list(dict.fromkeys(name for name in names if name))
+
+
+def model_classes(model: nn.Module) -> list[tuple[str, int]]:
+    """Module class names in the model with their counts, the likely wrap candidates first.
+
+    Candidates: the model's `_no_split_modules` and names ending in Layer/Block, then classes of our own
+    (not torch.nn builtins) that repeat, then the rest; each group in order of first appearance.
+    """
+    counts: Counter[str] = Counter()
+    builtin: dict[str, bool] = {}
+    for module in model.modules():
+        name = type(module).__name__
+        counts[name] += 1
+        builtin.setdefault(name, type(module).__module__.startswith("torch."))
+    no_split = set(split_names(no_split_modules(model)))
+
+    def rank(name: str) -> int:
+        if name in no_split or (_LAYER_LIKE.search(name) and not builtin[name]):
+            return 0
+        if counts[name] > 1 and not builtin[name]:
+            return 1
+        return 2
+
+    order = {name: i for i, name in enumerate(counts)}
+    return [(name, counts[name]) for name in sorted(counts, key=lambda n: (rank(n), order[n]))]
+
+
+def resolve_wrap_classes(
+    model: nn.Module,
+    recipe_value: str | Sequence[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    recipe_origin: str = "the recipe's distributed.fsdp.wrap_classes",
+) -> WrapResolution:
+    """Decide the FSDP wrap classes: recipe > FSDP_TRANSFORMER_CLS_TO_WRAP > `_no_split_modules` > [].
+
+    A level that names nothing after cleaning ("", " , ") counts as unset. Names the user gave must match a
+    class in the model (a PeftModel is looked through: its modules are the base model's); the error lists
+    the classes the model has. `_no_split_modules` entries the model lacks are dropped, since accelerate
+    would fail on them and the user never wrote them. `recipe_origin` names where `recipe_value` came
+    from in that error (a command-line option overriding the recipe, say).
+    """
+    env = os.environ if env is None else env
+    present = {name for name, _ in model_classes(model)}
+    origins = {"recipe": recipe_origin, "env": f"the environment variable {ENV_KEY}"}
+    for source, value in (("recipe", recipe_value), ("env", env.get(ENV_KEY))):
+        names = split_names(value)
+        if not names:
+            continue
+        unknown = [name for name in names if name not in present]
+        if unknown:
+            raise UserError(
+                f"FSDP wrap class {', '.join(repr(n) for n in unknown)} from {origins[source]} "
+                f"matches no module in this model; use one of its classes: {_class_list(model)}"
+            )
+        return WrapResolution(names, source)
+
+    names = [name for name in split_names(no_split_modules(model)) if name in present]
+    if names:
+        return WrapResolution(names, "no_split_modules")
+    root_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return WrapResolution([], "none", [no_wrap_warning(model, root_bytes)])
+
+
+def no_wrap_warning(model: nn.Module, root_bytes: int) -> WrapWarning:
+    candidates = [name for name, count in model_classes(model)[:3] if count > 1] or ["<your block class>"]
+    return WrapWarning(
+        "NO_WRAP_CLASSES",
+        f"No FSDP wrap classes: nothing in the recipe (distributed.fsdp.wrap_classes), {ENV_KEY} is unset or "
+        f"empty, and the model has no _no_split_modules, so the blocks stay in the root unit and every rank "
+        f"gathers them all at once ({format_size(root_bytes)} of parameters) instead of one block at a time. "
+        f"Fix: set distributed.fsdp.wrap_classes to the repeated block class, e.g. {candidates[0]}.",
+    )
+
+
+def no_split_modules(model: nn.Module) -> Iterable[str] | None:
+    # A PeftModel forwards attribute reads to the base model, so this looks through peft too.
+    try:
+        return getattr(model, "_no_split_modules", None)
+    except Exception:  # a custom __getattr__ may raise something other than AttributeError
+        return None
+
+
+def _class_list(model: nn.Module) -> str:
+    return ", ".join(f"{name} (x{count})" if count > 1 else name for name, count in model_classes(model))

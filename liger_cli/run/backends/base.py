@@ -1,0 +1,155 @@
+"""What every backend does, and the single-process behaviour that each one refines.
+
+A backend object is made from the recipe and the Plan (`backends.backend_for`), builds its
+Accelerator, and then answers the training loop's questions: how to prepare, how to run one
+micro-batch, how to check the run is what the Plan asked for, what the fused loss needs gathered,
+how to gather the whole state dict and how to load a checkpoint. The loop never names a backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from torch import nn
+
+from liger_cli import process_state
+from liger_cli.errors import RunFailed
+from liger_cli.plan.backends import BACKENDS, PRECISION_TO_ACCELERATE, BackendFacts
+from liger_cli.run import checkpoint
+from liger_cli.run.plain_state import check_distributed_checkpoint_index
+
+if TYPE_CHECKING:
+    from liger_cli.plan import Plan
+    from liger_cli.recipe import Recipe
+
+
+class DowngradeError(RunFailed):
+    """The run is not what the recipe asked for (world size, backend, sharding)."""
+
+
+class Backend:
+    facts: ClassVar[BackendFacts]
+    """What the plan knows about this backend (liger_cli.plan.backends)."""
+
+    @property
+    def name(self) -> str:
+        return self.facts.name
+
+    def __init__(self, recipe: Recipe, plan: Plan):
+        self.recipe, self.plan = recipe, plan
+        self.accelerator = None
+
+    # --- set-up -------------------------------------------------------------------------------------
+
+    def make_accelerator(self):
+        """An Accelerator that runs the Plan's backend, on GPUs or (with gloo) on CPUs."""
+        from accelerate import Accelerator
+
+        process_state.reset_for_new_run()
+        kwargs = {
+            "mixed_precision": PRECISION_TO_ACCELERATE[self.plan.precision],
+            "cpu": self.plan.device == "cpu",
+        }
+        kwargs |= self.accelerator_kwargs()
+        accelerator = Accelerator(**kwargs)
+        if self.plan.device == "cpu" and self.plan.num_processes > 1:
+            self.keep_on_cpu(accelerator, kwargs)
+        self.accelerator = accelerator
+        self.check_world()
+        return accelerator
+
+    def accelerator_kwargs(self) -> dict:
+        return {}
+
+    def keep_on_cpu(self, accelerator, kwargs: dict) -> None:
+        """Undo what accelerate does on a CPU to a backend it supports only on GPUs (default: nothing)."""
+
+    @property
+    def active(self) -> bool:
+        """accelerate really runs this backend (one CPU process trains plainly under any backend)."""
+        return self.accelerator.distributed_type.name in self.facts.accelerate_types
+
+    def check_world(self) -> None:
+        """The number of processes and the backend must be the ones the Plan launched."""
+        accelerator, plan = self.accelerator, self.plan
+        if accelerator.num_processes != plan.num_processes:
+            raise DowngradeError(
+                f"the recipe asks for {plan.num_processes} processes but this run has {accelerator.num_processes}; "
+                "launch with `liger train RECIPE` (it starts the processes) or match distributed.num_processes"
+            )
+        if plan.num_processes > 1 and not torch.distributed.is_initialized():
+            raise DowngradeError("no process group: the processes would train without synchronising")
+        if plan.num_processes > 1 and not self.active:
+            got = accelerator.distributed_type.name
+            raise DowngradeError(
+                f"the recipe asks for {plan.backend} but accelerate set up {got}; refusing to train"
+            )
+
+    def prepare(self, model: nn.Module, optimizer):
+        """Wrap model and optimizer together (FSDP-2 swaps the optimizer's parameters)."""
+        return self.accelerator.prepare(model, optimizer)
+
+    def check(self, model: nn.Module) -> str:
+        """After `prepare`: the model is wrapped and sharded as planned (no silent downgrade); says how."""
+        return "single process"
+
+    def gather_for_fused_loss(self, model: nn.Module) -> str | None:
+        """Make the fused loss see the whole lm_head.weight; says what was done (None: nothing needed).
+
+        The fused loss runs inside the causal-LM forward but outside lm_head's own forward
+        (see docs/field-failures.md#fused-loss-reads-a-sharded-lm_head)."""
+        return None
+
+    # --- the loop -----------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def micro_batch(self, model: nn.Module, last: bool):
+        """Wraps one micro-batch's forward and backward; yields the `backward(loss)` to call on its loss.
+
+        The loss is this micro-batch's share of the step's global mean (a sum over its tokens divided
+        by the step's token count over all ranks), so gradients must be summed over ranks and micro-
+        batches, never averaged: DDP, FSDP and ZeRO average over ranks, hence the `* world`. Gradients
+        are synchronised only on the last micro-batch (`no_sync` must cover the forward too); the
+        loop then clips and steps.
+        """
+        world = self.accelerator.num_processes
+        with contextlib.nullcontext() if last else self.accelerator.no_sync(model):
+            yield lambda loss: self.accelerator.backward(loss * world)
+
+    # --- state --------------------------------------------------------------------------------------
+
+    def full_state_dict(self, model: nn.Module) -> dict:
+        """The whole model's state dict on rank 0 (gathered from every rank: call it on all of them)."""
+        return self.drop_tied_duplicates(model, self.accelerator.get_state_dict(model))
+
+    def drop_tied_duplicates(self, model: nn.Module, state: dict) -> dict:
+        """FSDP writes a tied weight under each of its names as separate tensors; keep the first name
+        only, as a 1-process save does (the others are re-tied on load)."""
+        first: dict[int, str] = {}
+        for name, param in self.accelerator.unwrap_model(model).named_parameters(remove_duplicate=False):
+            name = process_state.clean_parameter_name(name)
+            if first.setdefault(id(param), name) != name:
+                state.pop(name, None)
+        return state
+
+    def model_to_save(self, model: nn.Module) -> nn.Module:
+        """The module whose `save_pretrained` writes the final model (with the gathered state dict)."""
+        return self.accelerator.unwrap_model(model)
+
+    def load_state(self, model: nn.Module, optimizer, checkpoint_dir: Path) -> None:
+        """Resume from a checkpoint; with an adapter, only the trainable weights are in it."""
+        adapter = self.recipe.adapter.type != "none"
+        if adapter:
+            checkpoint.check_adapter_checkpoint(self.accelerator, model, checkpoint_dir)
+        check_distributed_checkpoint_index(checkpoint_dir)  # FSDP's sharded index, before torch unpickles it
+        # weights_only: the optimizer state (accelerate's pickle format) is read as tensors and numbers only
+        self.accelerator.load_state(
+            str(checkpoint_dir), load_kwargs={"weights_only": True}, strict=not adapter
+        )
+
+
+class SingleProcess(Backend):
+    facts = BACKENDS["none"]

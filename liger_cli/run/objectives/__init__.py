@@ -1,0 +1,43 @@
+"""What a micro-batch's loss is: the one thing the training loop and evaluation ask of an objective.
+
+An objective makes a batch from examples (`collate`), counts the units its loss is a mean over
+(`units`: label tokens for the causal-LM loss), and returns a micro-batch's loss as a sum over its
+units divided by the step's global count of units (`loss`), so neither gradient accumulation nor
+the number of processes changes the math. Beside the loss it may return its own metrics, summed
+over the same units and divided the same way (`stats`); the loop sums them over micro-batches and
+ranks, which gives their means, and logs them. `fit` and
+`evaluate` call nothing else, so a new objective is a new file here and one entry in `OBJECTIVES`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+from liger_cli.run.objectives.causal_lm import CausalLM
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from liger_cli.recipe import Recipe
+
+
+class Objective(Protocol):
+    def collate(self, examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+        """One padded batch of tensors from a list of examples."""
+
+    def units(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """How many units (tokens, pairs) of the loss's mean this batch holds: a 0-d integer tensor."""
+
+    def loss(
+        self, model: nn.Module, batch: dict[str, torch.Tensor], num_items: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The batch's loss summed over its units, divided by `num_items`; its metrics the same way."""
+
+
+OBJECTIVES: dict[str, type] = {"sft": CausalLM}
+
+
+def objective_for(recipe: Recipe) -> Objective:
+    """The recipe's objective (supervised fine-tuning: the causal-LM loss over label tokens)."""
+    return OBJECTIVES["sft"]()

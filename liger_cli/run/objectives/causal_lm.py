@@ -1,0 +1,20 @@
+"""Supervised fine-tuning: the model's own causal-LM loss, a mean over the tokens whose label is set."""
+
+from __future__ import annotations
+
+import torch
+
+from liger_cli.data import collate
+
+
+class CausalLM:
+    def collate(self, examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+        return collate(examples, pad_id)
+
+    def units(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Label tokens: position t predicts label t + 1, so the first label is never a target."""
+        return (batch["labels"][:, 1:] != -100).sum()
+
+    def loss(self, model, batch: dict[str, torch.Tensor], num_items: torch.Tensor):
+        """transformers sums the token losses and divides by `num_items_in_batch` (the fused loss too)."""
+        return model(**batch, num_items_in_batch=num_items).loss, {}

@@ -1,0 +1,195 @@
+"""Check our kernels on a tiny twin of the user's own architecture before training.
+
+`patch_model` patches a module only when probes of its own code prove our replacement equal. This is
+the second, independent net, on the whole model: a tiny twin of the recipe's model (same class, same
+flags and multipliers, remote code included when the recipe trusts it; `liger_cli.twin.tiny`) runs one
+training step unpatched and then with each requested kernel, and the loss and every gradient are
+compared. A kernel that changes them is switched off for the run, and the Plan says which and why.
+
+It runs in fp32 on the CPU in about a second once transformers is imported, whatever the real
+model's size (`python bench/kernel_check.py` measures a 70B-class config).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+KERNELS = ("rms_norm", "rope", "swiglu", "cross_entropy", "fused_linear_cross_entropy")
+
+# One fp32 step: kernels reorder sums (chunked loss, fused norms), so agreement is to ~1e-6 relative.
+# A dropped multiplier, clamp or auxiliary loss is orders of magnitude above these.
+LOSS_RTOL = 1e-5
+GRAD_RTOL = 1e-4
+
+
+@dataclass(frozen=True)
+class KernelCheck:
+    """What the check found: the kernels it switched off and why, or why it could not run."""
+
+    requested: dict[str, bool]
+    switched_off: dict[str, str] = field(default_factory=dict)
+    twin_report: tuple[str, ...] = ()
+    not_run: str | None = None
+    seconds: float = 0.0
+
+    @property
+    def kernels(self) -> dict[str, bool]:
+        """The kernels to patch into the real model: the requested ones the check did not switch off."""
+        return {name: on and name not in self.switched_off for name, on in self.requested.items()}
+
+    def lines(self) -> list[str]:
+        if self.not_run:
+            return [f"kernel check: not run ({self.not_run})"]
+        head = "kernel check: one step on a tiny twin, patched vs unpatched: "  # no timing: the Plan is reproducible
+        if not self.switched_off:
+            return [head + "loss and every gradient agree"]
+        return [head + "switched off " + ", ".join(self.switched_off)] + [
+            f"  {name} off: {why}" for name, why in self.switched_off.items()
+        ]
+
+
+@dataclass
+class Step:
+    """The loss and the gradient of every parameter after one training step."""
+
+    loss: torch.Tensor
+    grads: dict[str, torch.Tensor]
+
+
+def train_step(model: nn.Module, batch: dict, seed: int = 0) -> Step:
+    """One forward and backward in train mode; the RNG is seeded so dropout draws the same masks."""
+    model.train()
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss = model(**batch).loss
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return Step(loss.detach(), grads)
+
+
+def disagreement(patched: Step, reference: Step) -> str | None:
+    """Why two steps differ (the loss, a missing gradient, or the worst gradient), or None."""
+    got, want = patched.loss.float(), reference.loss.float()
+    if not torch.isfinite(got) or abs(got - want) > LOSS_RTOL * max(1.0, abs(want)):
+        return f"the loss differs ({got.item():.6g} vs {want.item():.6g})"
+    if patched.grads.keys() != reference.grads.keys():
+        missing = sorted(reference.grads.keys() ^ patched.grads.keys())
+        return f"gradients missing or extra for {', '.join(missing[:3])}"
+    for name, want_grad in reference.grads.items():
+        error = (patched.grads[name].float() - want_grad.float()).abs().max()
+        scale = want_grad.float().abs().max()
+        if not torch.isfinite(error) or error > GRAD_RTOL * scale + 1e-7:
+            return f"the gradient of {name} differs (max error {error.item():.2e}, scale {scale.item():.2e})"
+    return None
+
+
+def compare_kernels(
+    build: Callable[[], nn.Module], batch: dict, requested: dict[str, bool]
+) -> tuple[dict[str, str], dict[str, str], list[str]]:
+    """Patch fresh builds of the same model kernel by kernel, then all together, and compare one step.
+
+    `build()` must return the same model (same seeded weights) every call; a fresh build rather than a
+    deep copy, since some models cannot be deep-copied. Every parameter takes a gradient, so every
+    weight is compared. Returns (disagreements: kernel -> why, crashes: kernel -> error, the combined
+    patch report's lines).
+    """
+    from liger_kernels import patch_model
+
+    def fresh() -> nn.Module:
+        model = build()
+        for parameter in model.parameters():
+            parameter.requires_grad_(True)
+        return model
+
+    reference = train_step(fresh(), batch)
+    wrong: dict[str, str] = {}
+    crashed: dict[str, str] = {}
+    for kernel in [k for k in KERNELS if requested.get(k)]:
+        model = fresh()
+        try:
+            report = patch_model(model, **{k: k == kernel for k in KERNELS})
+            if kernel not in report.patched:
+                continue  # left alone by patch_model, with its reason in the report
+            why = disagreement(train_step(model, batch), reference)
+        except Exception as err:  # a kernel that crashes the model is off, never a crash of the run
+            crashed[kernel] = (
+                f"{type(err).__name__}: {str(err).strip().splitlines()[0][:160] if str(err) else ''}"
+            )
+            continue
+        if why:
+            wrong[kernel] = why
+    together = {k: bool(requested.get(k)) and k not in wrong and k not in crashed for k in KERNELS}
+    model = fresh()
+    report = patch_model(model, **together)
+    if sum(k in report.patched for k in KERNELS) > 1:
+        try:
+            why = disagreement(train_step(model, batch), reference)
+        except Exception as err:
+            why = f"{type(err).__name__}: {str(err).strip()[:160]}"
+        if why:
+            wrong.update({k: f"together with the others: {why}" for k in report.patched})
+    return wrong, crashed, report.lines()
+
+
+@contextlib.contextmanager
+def _quiet():
+    """No library warnings or notices from building and running the twin (they are not about the run)."""
+    from transformers.utils import logging
+
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.set_verbosity(verbosity)
+
+
+def check_kernels(
+    config,
+    requested: dict[str, bool],
+    trust_remote_code: bool = False,
+    add_adapter: Callable[[nn.Module], nn.Module] | None = None,
+    attn_implementation: str | None = "eager",
+) -> KernelCheck:
+    """Build the twin of `config`, compare each requested kernel on it, and say which to switch off."""
+    from liger_cli.twin.tiny import TinyModelError, tiny_batch, tiny_causal_lm
+
+    start = time.perf_counter()
+    if not any(requested.values()):
+        return KernelCheck(requested, not_run="no kernel requested")
+    config = copy.deepcopy(config)
+    if hasattr(config, "output_router_logits"):
+        config.output_router_logits = True  # the router's auxiliary loss is part of what must not change
+
+    def build() -> nn.Module:
+        twin = tiny_causal_lm(
+            config, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation
+        )
+        return add_adapter(twin) if add_adapter is not None else twin
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: more threads only add synchronisation
+    try:
+        with torch.random.fork_rng(devices=[]), _quiet():  # the run's own RNG and console stay as they were
+            batch = tiny_batch(build())
+            wrong, crashed, report = compare_kernels(build, batch, requested)
+    except TinyModelError as err:
+        return KernelCheck(requested, not_run=f"no tiny twin: {err}", seconds=time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return KernelCheck(
+        requested,
+        switched_off={**wrong, **crashed},
+        twin_report=tuple(report),
+        seconds=time.perf_counter() - start,
+    )

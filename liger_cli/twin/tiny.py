@@ -1,0 +1,126 @@
+"""Tiny twins of causal language models, built and fed: the user's architecture at a size a CPU trains
+in a fraction of a second (`liger_cli.twin.shrink` says how a config is shrunk).
+
+`tiny_causal_lm(config)` builds the twin with a seeded init, after checking its parameter count on the
+meta device, and `tiny_batch(model)` gives a small padded batch with labels to run a training step on it.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from liger_cli.twin.shrink import _sub_configs, shrink_config
+from liger_cli.twin.shrink_rules import _POSITION_NAMES, MAX_POSITIONS, _get, _set
+
+PARAM_LIMIT = 5_000_000  # tiny_causal_lm refuses to allocate a twin larger than this
+
+__all__ = ["PARAM_LIMIT", "TinyModelError", "shrink_config", "tiny_batch", "tiny_causal_lm"]
+
+
+class TinyModelError(ValueError):
+    """The config could not be made into a tiny model; the message is one line saying why."""
+
+
+# --- building and feeding ----------------------------------------------------------------------------------
+def _count(model) -> int:
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def _position_tables(model, config) -> bool:
+    """Whether the model holds a parameter or buffer with (at least) max_position_embeddings rows."""
+    sizes = {getattr(c, n, None) for c in _sub_configs(config) for n in _POSITION_NAMES} - {None}
+    sizes = {s for s in sizes if isinstance(s, int) and s > MAX_POSITIONS}
+    tensors = list(model.parameters()) + list(model.buffers())
+    return bool(sizes) and any(dim >= min(sizes) for t in tensors for dim in t.shape)  # OPT adds 2 rows
+
+
+def _from_config(config, **kwargs):
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return AutoModelForCausalLM.from_config(config, **kwargs)
+
+
+def _meta_twin(config, kwargs: dict):
+    """(shrunk config, its model on the meta device); the first error if no shrink builds."""
+    tiny = shrink_config(config)
+    try:
+        with torch.device("meta"):
+            return tiny, _from_config(tiny, **kwargs)
+    except Exception as first:
+        # some models need two layers of a kind (zamba: weights shared between its hybrid layers)
+        try:
+            tiny = shrink_config(config, rounds=2)
+            with torch.device("meta"):
+                return tiny, _from_config(tiny, **kwargs)
+        except Exception:
+            raise first from None
+
+
+def tiny_causal_lm(
+    config,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str | None = "eager",
+    trust_remote_code: bool = False,
+    max_params: int = PARAM_LIMIT,
+):
+    """`AutoModelForCausalLM.from_config(shrink_config(config))`, seeded, on CPU, in train mode.
+
+    The twin is first built on the meta device: if that fails, or it has more than `max_params`
+    parameters, `TinyModelError` says why in one line and nothing is allocated. A learned position table
+    of max_position_embeddings rows (GPT-2, OPT) shrinks to 256 rows.
+    """
+    kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    name = type(config).__name__
+    try:
+        tiny, meta = _meta_twin(config, kwargs)
+        if _position_tables(meta, tiny):
+            for cfg in _sub_configs(tiny):
+                for key in _POSITION_NAMES:
+                    if isinstance(_get(cfg, key), int) and _get(cfg, key) > MAX_POSITIONS:
+                        _set(cfg, key, MAX_POSITIONS)
+            with torch.device("meta"):
+                meta = _from_config(tiny, **kwargs)
+    except Exception as err:
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise TinyModelError(f"{name}: cannot build a tiny twin: {first}") from None
+    count = _count(meta)
+    if count > max_params:
+        raise TinyModelError(
+            f"{name}: the shrunk model still has {count:,} parameters (limit {max_params:,})"
+        )
+    torch.manual_seed(seed)
+    model = _from_config(tiny, **kwargs)
+    model.config.use_cache = False
+    return model.train()
+
+
+def tiny_batch(config_or_model, seed: int = 0, batch: int = 2, length: int = 16) -> dict[str, torch.Tensor]:
+    """input_ids (ids 3..vocab-1), attention_mask (row 1 right-padded) and labels (-100 on the prompt
+    prefix and on padding), for a config or a model."""
+    model = config_or_model if isinstance(config_or_model, torch.nn.Module) else None
+    config = model.config if model is not None else config_or_model
+    try:
+        text = config.get_text_config(decoder=True)
+    except (ValueError, AttributeError):
+        text = config
+    vocab = text.vocab_size
+    if model is not None and model.get_input_embeddings() is not None:
+        vocab = min(vocab, getattr(model.get_input_embeddings(), "num_embeddings", vocab))
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, vocab, (batch, length), generator=g)
+    attention_mask = torch.ones(batch, length, dtype=torch.long)
+    if batch > 1:
+        attention_mask[1, length - length // 4 :] = 0
+    pad = getattr(text, "pad_token_id", None)
+    pad = pad if isinstance(pad, int) and 0 <= pad < vocab else 0
+    input_ids = input_ids.masked_fill(attention_mask == 0, pad)
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    labels[:, : length // 4] = -100
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
