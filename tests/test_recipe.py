@@ -111,7 +111,11 @@ BAD = [
     (GOOD + "adapter:\n  r: 0\n", [], ["adapter.r", "greater than or equal to 1"]),
     (GOOD + "adapter:\n  dropout: 1.5\n", [], ["adapter.dropout", "less than 1"]),
     (GOOD + "adapter:\n  target_modules: 5\n", [], ["adapter.target_modules", "all-linear"]),
-    (GOOD.replace("format: text", "format: csv"), [], ["data.format", "'text', 'instruction' or 'chat'"]),
+    (
+        GOOD.replace("format: text", "format: csv"),
+        [],
+        ["data.format", "'text', 'instruction', 'chat' or 'preference'"],
+    ),
     (
         GOOD.replace("format: text", "format: text\n  eval_fraction: 1.5"),
         [],

@@ -20,9 +20,8 @@ the file, the row and the field; problems that cannot be are UserErrors (exit 2)
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from liger_cli.data.encode import (
     IGNORE_INDEX,
@@ -40,6 +39,7 @@ from liger_cli.data.files import (
     split_eval_fraction,
     where,
 )
+from liger_cli.data.split import DataWarning, Split
 from liger_cli.errors import UserError
 
 __all__ = ["IGNORE_INDEX", "WARNINGS", "build_datasets", "collate", "prepare_data"]
@@ -52,6 +52,7 @@ WARNINGS = {
     "NON_ASSISTANT_LEARNED": "a system, user or tool turn with learned tokens",
     "EMPTY_REASONING_LEARNED": "an empty <think></think> block that is learned",
     "TRUNCATED_EVERY_ANSWER": "truncation at max_seq_len cuts every answer of a kept example",
+    "CHOSEN_EQUALS_REJECTED": "a preference pair whose chosen and rejected answers are the same tokens",
 }
 
 TRUNCATED_AWAY = "every learned token is past max_seq_len"
@@ -67,34 +68,6 @@ class DataConfig(Protocol):
     format: str
     max_seq_len: int
     packing: bool
-
-
-@dataclass
-class DataWarning:
-    code: str
-    path: Path
-    row: int  # 0-based index in the file
-    field: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.code}: {self.path} {where(self.path, self.row)}, {self.field}: {self.message}"
-
-
-@dataclass
-class Split:
-    """One file's data after encoding: the examples before packing (with their file row and length
-    before truncation) and the dataset training receives, plus counts for the report."""
-
-    path: Path
-    rows: int
-    examples: Any  # datasets.Dataset: input_ids, labels, position_ids, row, length
-    dataset: Any  # datasets.Dataset: input_ids, labels, position_ids (packed when packing is on)
-    max_seq_len: int
-    packing: bool
-    truncated: int = 0
-    dropped: dict[str, int] = field(default_factory=dict)
-    warnings: list[DataWarning] = field(default_factory=list)
 
 
 def build_datasets(data_cfg: DataConfig, tokenizer, seed: int):
@@ -113,6 +86,8 @@ def prepare_data(data_cfg: DataConfig, tokenizer, seed: int) -> tuple[Split, Spl
         raise UserError(f"data error: unknown data.format {fmt!r}; use one of: {', '.join(FORMAT_FIELDS)}")
     if data_cfg.eval is not None and data_cfg.eval_fraction is not None:
         raise UserError("data error: set data.eval or data.eval_fraction, not both")
+    if fmt == "preference" and data_cfg.packing:
+        raise UserError("data error: packing does not apply to preference pairs; set data.packing: false")
     _check_tokenizer(tokenizer, fmt)
 
     train_path = Path(data_cfg.train)
@@ -123,8 +98,14 @@ def prepare_data(data_cfg: DataConfig, tokenizer, seed: int) -> tuple[Split, Spl
         train_rows, eval_rows = split_eval_fraction(train_rows, data_cfg.eval_fraction, seed, train_path)
         eval_path = train_path
 
-    train = _tokenize(train_rows, train_path, data_cfg, tokenizer)
-    evald = _tokenize(eval_rows, eval_path, data_cfg, tokenizer) if eval_rows is not None else None
+    tokenize = _tokenize
+    if fmt == "preference":
+        from liger_cli.data.preference import tokenize_pairs as tokenize
+    train = tokenize(train_rows, train_path, data_cfg, tokenizer)
+    evald = tokenize(eval_rows, eval_path, data_cfg, tokenizer) if eval_rows is not None else None
+    for split in (train, evald):
+        if split is not None:
+            _log_warnings(split.warnings)
     return train, evald
 
 
@@ -201,7 +182,6 @@ def _tokenize(rows, path: Path, data_cfg: DataConfig, tokenizer) -> Split:
             "max_seq_len=%d (raise data.max_seq_len to keep them)",
             *(path, split.dropped[TRUNCATED_AWAY], split.rows, max_len),
         )
-    _log_warnings(split.warnings)
     if len(split.examples) == 0:
         raise UserError(
             f"data error: {path}: no example has a trainable token left after truncation at "

@@ -23,6 +23,7 @@ FORMAT_FIELDS = {
     "text": "text needs a string field text",
     "instruction": "instruction format needs instruction, output and optional input",
     "chat": "chat format needs messages: a list of {role, content} objects",
+    "preference": "preference format needs chosen and rejected, and prompt: all strings or all message lists",
 }
 
 
@@ -64,7 +65,12 @@ def load_rows(path: Path, fmt: str):
 
 def validate_rows(rows, path: Path, fmt: str) -> None:
     """Check every row's fields and types for `fmt`; the first problem is a UserError with file and row."""
-    check = {"text": _check_text_row, "instruction": _check_instruction_row, "chat": _check_chat_row}[fmt]
+    check = {
+        "text": _check_text_row,
+        "instruction": _check_instruction_row,
+        "chat": _check_chat_row,
+        "preference": _check_preference_row,
+    }[fmt]
     for index, row in enumerate(rows):
         problem = check(row)
         if problem:
@@ -100,7 +106,8 @@ def quiet_datasets():
 
 
 def _string_fields(fmt: str) -> list[str]:
-    return {"text": ["text"], "instruction": ["instruction", "input", "output"], "chat": []}[fmt]
+    fields = {"text": ["text"], "instruction": ["instruction", "input", "output"], "chat": []}
+    return fields.get(fmt, ["prompt", "chosen", "rejected"])
 
 
 def _type_name(value: Any) -> str:
@@ -166,6 +173,44 @@ def _check_chat_row(row: dict) -> str | None:
             return f'field "messages[{i}].reasoning_content" must be a string, on an assistant message'
     if not any(m["role"] == "assistant" for m in messages):
         return 'field "messages" has no assistant turn, so there is nothing to learn'
+    return None
+
+
+def _check_preference_row(row: dict) -> str | None:
+    """prompt (optional with message lists), chosen, rejected: all strings or all message lists."""
+    for side in ("chosen", "rejected"):
+        if row.get(side) is None:
+            return f'field "{side}" is missing'
+    prompt = row.get("prompt")
+    kinds = {side: type(row[side]) for side in ("chosen", "rejected")} | (
+        {"prompt": type(prompt)} if prompt is not None else {}
+    )
+    if any(kind not in (str, list) for kind in kinds.values()):
+        name = next(k for k, kind in kinds.items() if kind not in (str, list))
+        return f'field "{name}" must be a string or a list of messages, found {_type_name(row[name])}'
+    if len(set(kinds.values())) > 1:
+        return 'fields "prompt", "chosen" and "rejected" must be all strings or all message lists, not mixed'
+    if kinds["chosen"] is str:
+        for name in kinds:
+            if not row[name].strip():
+                return f'field "{name}" is empty'
+        return None
+    for name in kinds:
+        problem = _check_chat_row({"messages": row[name]}) if name != "prompt" else None
+        if name == "prompt" and not row[name]:
+            problem = 'field "messages" is empty'
+        if problem:
+            return problem.replace('"messages', f'"{name}', 1)
+    for side in ("chosen", "rejected"):
+        if row[side][-1].get("role") != "assistant":
+            return f'field "{side}": its last message must be the assistant\'s answer'
+    if prompt is None:
+        chosen, rejected = row["chosen"], row["rejected"]
+        if len(chosen) < 2 or chosen[:-1] != rejected[:-1]:
+            return (
+                'without "prompt", chosen and rejected must be whole conversations that share every message '
+                "but the last; add a prompt field, or make their earlier messages equal"
+            )
     return None
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from liger_cli.data.build import WARNINGS, Split
 from liger_cli.data.encode import IGNORE_INDEX
+from liger_cli.data.preference import PAIR_COLUMNS
 from liger_cli.errors import UserError
 
 # Without colour (piped, NO_COLOR), learned tokens are written between these markers.
@@ -49,6 +50,8 @@ def data_command(recipe_path: Path, overrides: list[str], show: int = 0, jsonl: 
         + (
             f", learn_turns {d.learn_turns}, learn_reasoning {str(d.learn_reasoning).lower()}"
             if d.format == "chat"
+            else f", learn_reasoning {str(d.learn_reasoning).lower()}"
+            if d.format == "preference"
             else ""
         )
         + ")"
@@ -63,13 +66,15 @@ def data_command(recipe_path: Path, overrides: list[str], show: int = 0, jsonl: 
         show_examples(console, train, tokenizer, show)
     if jsonl is not None:
         n = write_jsonl(jsonl, [("train", train), ("eval", evald)])
-        console.print(f"\nwrote {n} examples to {jsonl}")
+        console.print(f"\nwrote {n} {'pairs' if is_pairs(train) else 'examples'} to {jsonl}")
     return 0
 
 
 def report_text(name: str, split: Split) -> str:
     """Counts, tokens, share learned, packing efficiency and a length histogram for one split."""
     ex = split.examples
+    if is_pairs(split):
+        return pairs_text(name, split)
     lengths = [len(ids) for ids in ex["input_ids"]]
     n_tokens = sum(lengths)
     n_learned = sum(sum(1 for label in labels[1:] if label != IGNORE_INDEX) for labels in ex["labels"])
@@ -88,6 +93,29 @@ def report_text(name: str, split: Split) -> str:
         f"  tokens: {n_tokens:,}, learned {n_learned:,} ({n_learned / max(n_tokens, 1):.1%})",
         f"  {packing}",
         f"  length (tokens before truncation): min {min(ex['length'])}, "
+        f"median {sorted(ex['length'])[len(ex) // 2]}, max {max(ex['length'])}",
+        *_histogram(ex["length"], split.max_seq_len),
+    ]
+    return "\n".join(lines)
+
+
+def is_pairs(split: Split) -> bool:
+    return "chosen_input_ids" in split.examples.column_names
+
+
+def pairs_text(name: str, split: Split) -> str:
+    """Pairs kept, truncated, dropped; prompt/chosen/rejected tokens; pairs whose answers are equal."""
+    ex = split.examples
+    dropped = sum(split.dropped.values())
+    why = "".join(f"\n    dropped, {reason}: {n}" for reason, n in split.dropped.items())
+    same = sum(1 for w in split.warnings if w.code == "CHOSEN_EQUALS_REJECTED")
+    tokens = {part: sum(ex[f"{part}_length"]) for part in ("prompt", "chosen", "rejected")}
+    lines = [
+        f"{name}: {_shown(split.path)}",
+        f"  pairs: {split.rows:,} rows, {len(ex):,} kept, {split.truncated:,} truncated, {dropped:,} dropped{why}",
+        "  tokens (before truncation): " + ", ".join(f"{part} {n:,}" for part, n in tokens.items()),
+        f"  pairs whose chosen == rejected: {same:,}",
+        f"  length of the longer side (tokens before truncation): min {min(ex['length'])}, "
         f"median {sorted(ex['length'])[len(ex) // 2]}, max {max(ex['length'])}",
         *_histogram(ex["length"], split.max_seq_len),
     ]
@@ -119,30 +147,41 @@ def show_examples(console, split: Split, tokenizer, n: int) -> None:
         legend = f"learned tokens are between {LEARNED_OPEN} and {LEARNED_CLOSE}; special tokens as written"
     else:
         legend = "learned tokens in green; special tokens in magenta"
-    console.print(f"\nfirst {min(n, len(split.examples))} train examples ({legend}):")
+    what = "pairs" if is_pairs(split) else "examples"
+    console.print(f"\nfirst {min(n, len(split.examples))} train {what} ({legend}):")
     for k in range(min(n, len(split.examples))):
         ex = split.examples[k]
-        ids, labels = ex["input_ids"], ex["labels"]
-        learned = [label != IGNORE_INDEX for label in labels]
-        cut = f", truncated from {ex['length']}" if ex["length"] > len(ids) else ""
-        console.print(
-            f"\n--- {split.path.name} row {ex['row'] + 1}: {len(ids)} tokens{cut}, {sum(learned[1:])} learned ---"
-        )
-        text = Text()
-        keys = [(is_learned, not plain and i in special) for i, is_learned in zip(ids, learned, strict=True)]
-        for start, end in _runs(keys):
-            piece = tokenizer.decode(ids[start:end], skip_special_tokens=False)
-            is_learned, is_special = learned[start], ids[start] in special
-            if plain:
-                text.append(f"{LEARNED_OPEN}{piece}{LEARNED_CLOSE}" if is_learned else piece)
-            else:
-                style = ("bold magenta" if is_special else "") + (" on dark_green" if is_learned else "")
-                text.append(piece, style=style.strip() or None)
-        console.print(text)
+        for side in ("chosen", "rejected") if is_pairs(split) else ("",):
+            ids, labels = (
+                ex[f"{side}_input_ids" if side else "input_ids"],
+                ex[f"{side}_labels" if side else "labels"],
+            )
+            learned = [label != IGNORE_INDEX for label in labels]
+            cut = f", truncated from {ex['length']}" if not side and ex["length"] > len(ids) else ""
+            head = f"row {ex['row'] + 1}" + (f", {side}" if side else "")
+            console.print(
+                f"\n--- {split.path.name} {head}: {len(ids)} tokens{cut}, {sum(learned[1:])} learned ---"
+            )
+            console.print(_marked(ids, learned, tokenizer, special, plain, Text()))
+
+
+def _marked(ids, learned, tokenizer, special, plain: bool, text):
+    """The tokens as text, learned runs between markers (plain) or highlighted."""
+    keys = [(is_learned, not plain and i in special) for i, is_learned in zip(ids, learned, strict=True)]
+    for start, end in _runs(keys):
+        piece = tokenizer.decode(ids[start:end], skip_special_tokens=False)
+        is_learned, is_special = learned[start], ids[start] in special
+        if plain:
+            text.append(f"{LEARNED_OPEN}{piece}{LEARNED_CLOSE}" if is_learned else piece)
+        else:
+            style = ("bold magenta" if is_special else "") + (" on dark_green" if is_learned else "")
+            text.append(piece, style=style.strip() or None)
+    return text
 
 
 def write_jsonl(path: Path, splits) -> int:
-    """One line per example before packing: split, row (1-based, in its file), input_ids, labels."""
+    """One line per example before packing: split, row (1-based, in its file), input_ids, labels; for
+    preference pairs chosen_input_ids, chosen_labels, rejected_input_ids, rejected_labels."""
     n = 0
     path = Path(path)
     try:
@@ -154,13 +193,9 @@ def write_jsonl(path: Path, splits) -> int:
         for name, split in splits:
             if split is None:
                 continue
+            columns = [c for c in PAIR_COLUMNS if is_pairs(split)] or ["input_ids", "labels"]
             for ex in split.examples:
-                record = {
-                    "split": name,
-                    "row": ex["row"] + 1,
-                    "input_ids": ex["input_ids"],
-                    "labels": ex["labels"],
-                }
+                record = {"split": name, "row": ex["row"] + 1} | {c: ex[c] for c in columns}
                 f.write(json.dumps(record) + "\n")
                 n += 1
     return n
@@ -212,6 +247,6 @@ def _histogram(lengths: list[int], max_seq_len: int) -> list[str]:
     pad = max(len(label) for label in labels)
     return [
         f"    {label:>{pad}} | {'#' * round(BAR_WIDTH * c / top):<{BAR_WIDTH}} {c:,}"
-        for label, c in zip(labels, counts, strict=True)
-        if c or label != labels[-1]
+        for b, (label, c) in enumerate(zip(labels, counts, strict=True))
+        if c or (b < HISTOGRAM_BINS and b * width < max_seq_len)  # no empty bin past max_seq_len
     ]

@@ -102,6 +102,11 @@ def build_plan(recipe: Recipe, model: nn.Module | None = None, env: Mapping[str,
     """
     import torch
 
+    if recipe.data.format == "preference":
+        raise UserError(
+            "data.format preference: training on preference pairs (DPO, SimPO, ORPO) is not in this version "
+            "yet; `liger data RECIPE` shows the pairs as they will be trained"
+        )
     env = os.environ if env is None else env
     dist = recipe.distributed
     backend = BACKENDS[dist.backend]

@@ -114,7 +114,7 @@ class DataSection(_Section):
     train: RelPath
     eval: RelPath | None = None
     eval_fraction: float | None = Field(None, gt=0, lt=1)
-    format: Literal["text", "instruction", "chat"] = "text"
+    format: Literal["text", "instruction", "chat", "preference"] = "text"
     max_seq_len: int = Field(1024, ge=8)
     packing: bool = False
     learn_turns: Literal["all", "last"] = "all"
@@ -126,10 +126,13 @@ class DataSection(_Section):
     def _one_eval(self) -> DataSection:
         if self.eval is not None and self.eval_fraction is not None:
             raise ValueError("set at most one of data.eval and data.eval_fraction")
-        if self.format != "chat" and (self.learn_turns != "all" or not self.learn_reasoning):
+        if self.format != "chat" and self.learn_turns != "all":
             raise ValueError(
-                "data.learn_turns and data.learn_reasoning apply to format: chat only; remove them or "
-                "set data.format: chat"
+                "data.learn_turns applies to format: chat only; remove it or set data.format: chat"
+            )
+        if self.format not in ("chat", "preference") and not self.learn_reasoning:
+            raise ValueError(
+                "data.learn_reasoning applies to formats chat and preference only; remove it or set data.format"
             )
         return self
 

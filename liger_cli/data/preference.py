@@ -1,0 +1,157 @@
+"""Preference pairs: `{"prompt", "chosen", "rejected"}` rows -> two sequences that share one prompt.
+
+Two ways to write a pair, never mixed within a row:
+- strings: the prompt (with the tokenizer's own prefix, as instruction rows get it) followed by the
+  answer and eos; the answer and its eos are learned;
+- message lists, rendered with the tokenizer's chat template through format chat's own code
+  (`encode_chat`), where only the final assistant turn of chosen/rejected is learned. With no
+  `prompt` key, chosen and rejected are whole conversations that share every message but the last:
+  that shared part is the prompt (an "implicit prompt").
+
+Truncation keeps both answers whole where it can: the prompt loses tokens from its left (a leading
+BOS stays), the same number on both sides so both answers follow the same context; only an answer
+longer than the room left (the prompt keeps at least half of max_seq_len) is cut at its end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from liger_cli.data.encode import IGNORE_INDEX, Encoded, _encode_with_prefix
+from liger_cli.data.files import ROW_COLUMN, quiet_datasets, where
+from liger_cli.data.split import DataWarning, Split
+from liger_cli.errors import UserError
+
+SIDES = ("chosen", "rejected")
+PAIR_COLUMNS = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
+
+
+# --- encoding one pair ----------------------------------------------------------------------------------
+
+
+@dataclass
+class EncodedPair:
+    chosen: Encoded
+    rejected: Encoded
+
+
+def encode_pair(row: dict, tokenizer, learn_reasoning: bool = True) -> EncodedPair:
+    """One row -> the chosen and rejected sequences, each with only its answer learned."""
+    if isinstance(row["chosen"], str):
+        prompt_ids, _ = _encode_with_prefix(tokenizer, row["prompt"])
+        sides = []
+        for side in SIDES:
+            answer = tokenizer(row[side], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            ids, n = prompt_ids + answer, len(prompt_ids)
+            sides.append(Encoded(ids, [IGNORE_INDEX] * n + answer, [(side, n, len(ids))]))
+        return EncodedPair(*sides)
+
+    from liger_cli.data.chat import encode_chat
+
+    prompt = list(row["prompt"]) if row.get("prompt") is not None else list(row["chosen"][:-1])
+    sides = []
+    for side in SIDES:
+        answer = list(row[side]) if row.get("prompt") is not None else [row[side][-1]]
+        chat_row = {"messages": prompt + answer, "tools": row.get("tools")}
+        enc = encode_chat(chat_row, tokenizer, learn_turns="last", learn_reasoning=learn_reasoning)
+        field_ = f"{side}[{len(answer) - 1}]"
+        enc.turns = [(field_, first, end) for _, first, end in enc.turns]
+        enc.warnings = [(code, f"{side}: {where_}", message) for code, where_, message in enc.warnings]
+        sides.append(enc)
+    return EncodedPair(*sides)
+
+
+def prompt_length(enc: Encoded) -> int:
+    """Tokens before the first learned one."""
+    return next((t for t, label in enumerate(enc.labels) if label != IGNORE_INDEX), len(enc.labels))
+
+
+def truncate_pair(pair: EncodedPair, max_seq_len: int, bos_id: int | None) -> tuple[EncodedPair, bool]:
+    """Cut both sides to max_seq_len as the module docstring says; (the pair, whether anything was cut)."""
+    longest = max(len(pair.chosen.input_ids), len(pair.rejected.input_ids))
+    if longest <= max_seq_len:
+        return pair, False
+    prompts = [prompt_length(enc) for enc in (pair.chosen, pair.rejected)]
+    keep_bos = bos_id is not None and all(
+        enc.input_ids[:1] == [bos_id] for enc in (pair.chosen, pair.rejected)
+    )
+    floor = min(min(prompts), max(max_seq_len // 2, int(keep_bos)))  # the prompt keeps at least this much
+    cut = max(0, min(longest - max_seq_len, min(prompts) - floor))
+    sides = []
+    for enc in (pair.chosen, pair.rejected):
+        start = int(keep_bos)
+        ids = enc.input_ids[:start] + enc.input_ids[start + cut :]
+        labels = enc.labels[:start] + enc.labels[start + cut :]
+        turns = [(f, max(start, first - cut), end - cut) for f, first, end in enc.turns]
+        sides.append(Encoded(ids[:max_seq_len], labels[:max_seq_len], turns, enc.warnings))
+    return EncodedPair(*sides), True
+
+
+# --- a file of pairs ------------------------------------------------------------------------------------
+
+
+def tokenize_pairs(rows, path: Path, data_cfg, tokenizer) -> Split:
+    """Encode and truncate every pair, drop pairs with a side that has nothing left to learn, note
+    warnings. `examples` and `dataset` hold the four PAIR_COLUMNS (examples also row and lengths)."""
+    max_len = data_cfg.max_seq_len
+    split = Split(Path(path), len(rows), None, None, max_len, packing=False)
+    learn_reasoning = getattr(data_cfg, "learn_reasoning", True)
+
+    def warn(code: str, row: int, field_: str, message: str) -> None:
+        split.warnings.append(DataWarning(code, split.path, row, field_, message))
+
+    def encode_batch(batch: dict[str, list]) -> dict[str, list]:
+        names = (*PAIR_COLUMNS, "row", "prompt_length", "chosen_length", "rejected_length", "length")
+        out: dict[str, list] = {name: [] for name in names}
+        for j in range(len(batch[ROW_COLUMN])):
+            row = {k: v[j] for k, v in batch.items()}
+            index = row[ROW_COLUMN]
+            try:
+                pair = encode_pair(row, tokenizer, learn_reasoning)
+            except ValueError as err:  # a template problem found while rendering this row
+                raise UserError(f"data error: {split.path} {where(split.path, index)}: {err}") from None
+            for enc in (pair.chosen, pair.rejected):
+                for code, field_, message in enc.warnings:
+                    warn(code, index, field_, message)
+            answers = [enc.input_ids[prompt_length(enc) :] for enc in (pair.chosen, pair.rejected)]
+            if answers[0] == answers[1]:
+                warn("CHOSEN_EQUALS_REJECTED", index, "chosen", "chosen and rejected are the same answer: "
+                     "the pair teaches nothing; fix or remove the row")  # fmt: skip
+            whole, cut = truncate_pair(pair, max_len, tokenizer.bos_token_id)
+            if any(
+                all(label == IGNORE_INDEX for label in enc.labels[1:])
+                for enc in (whole.chosen, whole.rejected)
+            ):
+                split.dropped["an answer is past max_seq_len"] = (
+                    split.dropped.get("an answer is past max_seq_len", 0) + 1
+                )
+                continue
+            split.truncated += cut
+            for side, enc in zip(SIDES, (whole.chosen, whole.rejected), strict=True):
+                out[f"{side}_input_ids"].append(enc.input_ids)
+                out[f"{side}_labels"].append(enc.labels)
+            out["row"].append(index)
+            out["prompt_length"].append(prompt_length(pair.chosen))
+            out["chosen_length"].append(len(answers[0]))
+            out["rejected_length"].append(len(answers[1]))
+            out["length"].append(max(len(pair.chosen.input_ids), len(pair.rejected.input_ids)))
+        return out
+
+    with quiet_datasets():
+        split.examples = rows.map(
+            encode_batch,
+            batched=True,
+            batch_size=1000,
+            remove_columns=rows.column_names,
+            load_from_cache_file=False,
+            keep_in_memory=True,
+            new_fingerprint=f"liger-preference-{max_len}-{len(rows)}",
+        )
+    if len(split.examples) == 0:
+        raise UserError(
+            f"data error: {split.path}: no pair keeps a learned token on both sides after truncation at "
+            f"max_seq_len={max_len}; raise data.max_seq_len"
+        )
+    split.dataset = split.examples.select_columns(list(PAIR_COLUMNS))
+    return split
