@@ -100,6 +100,7 @@ MARKED = r"""
     {{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' -}}
   {%- endif -%}
 {%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}
 """
 
 FAMILIES = {

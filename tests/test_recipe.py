@@ -178,6 +178,20 @@ BAD = [
     (GOOD, ["kernels.cross_entropy=true"], ["mutually exclusive"]),
     (GOOD, ["training.max_steps.x=1"], ["`training.max_steps` is not a section"]),
     (GOOD, ["output.resume=does/not/exist"], ["output.resume checkpoint folder not found"]),
+    # Control characters, and values PyYAML cannot build: the line, no traceback.
+    (GOOD.replace("path: model", "path: mo\x00del"), [], ["line 2, column 11", "U+0000", "delete it"]),
+    (GOOD.replace("format: text", "format: te\x1bxt"), [], ["line 5, column 13", "U+001B (\\x1b)"]),
+    (GOOD + "\x7f", [], ["line 10, column 1", "U+007F"]),
+    (GOOD, ["output.dir=o\x00ut"], ["--set output.dir=o\\x00ut", "U+0000 at position 13", "delete it"]),
+    (GOOD, ["output.dir=a\nb"], ["--set output.dir=a\\nb", "U+000A"]),
+    (GOOD, ["train\x07ing.lr=1e-4"], ["U+0007 at position 6"]),
+    (GOOD + "logging: {run_name: 2024-13-45}\n", [], ["invalid YAML at line 10", "month must be in 1..12"]),
+    (
+        GOOD.replace("max_steps: 3", "max_steps: !!int three"),
+        [],
+        ["invalid YAML at line 7, column 14", "invalid literal"],
+    ),
+    (GOOD + "? [a, b]\n: c\n", [], ["invalid YAML at line 10", "unhashable key"]),
 ]
 
 

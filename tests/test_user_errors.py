@@ -39,6 +39,30 @@ def test_a_recipe_that_is_not_utf8_text(command: str, not_utf8: Path) -> None:
     assert_one_line_error(liger(*command.split(), str(not_utf8)), "not UTF-8")
 
 
+@pytest.fixture(scope="module")
+def with_nul(tmp_path_factory) -> Path:
+    """Valid UTF-8, but with a NUL byte in a value (PyYAML's reader refuses it)."""
+    path = tmp_path_factory.mktemp("nul") / "recipe.yaml"
+    path.write_text(
+        QUICKSTART.read_text().replace("dtype: float32", "dtype: float\x0032", 1), encoding="utf-8"
+    )
+    assert "\x00" in path.read_text()
+    return path
+
+
+@pytest.mark.parametrize("command", ["train", "data"])
+def test_a_recipe_with_a_control_character(command: str, with_nul: Path) -> None:
+    proc = liger(command, str(with_nul))
+    assert_one_line_error(proc, str(with_nul), "U+0000", "delete it")
+    assert "line " in proc.stderr and "column " in proc.stderr
+
+
+@pytest.mark.parametrize("command", ["train", "data"])
+def test_a_set_value_with_a_control_character(command: str) -> None:
+    proc = liger(command, str(QUICKSTART), "--set", "output.dir=runs/\x01x")
+    assert_one_line_error(proc, "--set output.dir=runs/\\x01x", "U+0001")
+
+
 def test_load_kwargs_that_repeat_the_model_section(tmp_path: Path) -> None:
     text = QUICKSTART.read_text().replace("quickstart/", f"{REPO / 'recipes' / 'quickstart'}/")
     text = text.replace("dtype: float32}", "dtype: float32, load_kwargs: {dtype: bfloat16}}", 1)

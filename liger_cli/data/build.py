@@ -23,6 +23,7 @@ import logging
 from pathlib import Path
 from typing import Protocol
 
+from liger_cli.data.checks import double_bos, eos_masked_as_pad, eos_masked_message
 from liger_cli.data.encode import (
     IGNORE_INDEX,
     collate,
@@ -52,6 +53,9 @@ WARNINGS = {
     "NON_ASSISTANT_LEARNED": "a system, user or tool turn with learned tokens",
     "EMPTY_REASONING_LEARNED": "an empty <think></think> block that is learned",
     "TRUNCATED_EVERY_ANSWER": "truncation at max_seq_len cuts every answer of a kept example",
+    "TRAIN_INFER_MISMATCH": "the tokens before a learned turn are not the generation prompt inference uses",
+    "DOUBLE_BOS": "an example that starts with two bos tokens",
+    "EOS_MASKED_AS_PAD": "a learned eos that is the pad token and that the collation masks as padding",
     "CHOSEN_EQUALS_REJECTED": "a preference pair whose chosen and rejected answers are the same tokens",
 }
 
@@ -125,12 +129,14 @@ def _tokenize(rows, path: Path, data_cfg: DataConfig, tokenizer) -> Split:
     encode, max_len = encoder(data_cfg), data_cfg.max_seq_len
     split = Split(path, len(rows), None, None, max_len, data_cfg.packing)
     answer_field = {"text": "text", "instruction": "output", "chat": "messages"}[data_cfg.format]
+    start_field = {"text": "text", "instruction": "instruction", "chat": "messages"}[data_cfg.format]
 
     def warn(code: str, row: int, field_: str, message: str) -> None:
         split.warnings.append(DataWarning(code, path, row, field_, message))
 
     def encode_batch(batch: dict[str, list]) -> dict[str, list]:
         out: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": [], "row": [], "length": []}
+        kept_turns = []
         for j in range(len(batch[ROW_COLUMN])):
             row = {k: v[j] for k, v in batch.items()}
             index = row[ROW_COLUMN]
@@ -140,6 +146,8 @@ def _tokenize(rows, path: Path, data_cfg: DataConfig, tokenizer) -> Split:
                 raise UserError(f"data error: {path} {where(path, index)}: {err}") from None
             for code, field_, message in enc.warnings:
                 warn(code, index, field_, message)
+            if (bos_message := double_bos(tokenizer, enc.input_ids)) is not None:
+                warn("DOUBLE_BOS", index, start_field, bos_message)
             ids, labels = truncate(enc.input_ids, enc.labels, max_len)
             if all(label == IGNORE_INDEX for label in labels[1:]):  # label 0 is never a prediction target
                 if any(label != IGNORE_INDEX for label in enc.labels[1:]):
@@ -163,6 +171,10 @@ def _tokenize(rows, path: Path, data_cfg: DataConfig, tokenizer) -> Split:
             out["position_ids"].append(list(range(len(ids))))
             out["row"].append(index)
             out["length"].append(len(enc.input_ids))
+            kept_turns.append(enc.turns)
+        examples = list(zip(out["input_ids"], out["labels"], kept_turns, strict=True))
+        for k, field_ in eos_masked_as_pad(tokenizer, examples, collate):
+            warn("EOS_MASKED_AS_PAD", out["row"][k], field_, eos_masked_message(tokenizer))
         return out
 
     with quiet_datasets():

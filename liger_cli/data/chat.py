@@ -19,13 +19,16 @@ Where an assistant turn is, tried in this order (one generic path, no per-family
 Then the recipe's options: learn every assistant turn or only the last, and learn the reasoning
 blocks (`<think>...</think>`) or mask them. Character spans become token labels through the
 tokenizer's offsets (a token with any character in a span is learned). Checks for the known masking
-traps produce warnings (codes in liger_cli.data) rather than errors: the data may be what you meant.
+traps, and that the tokens before each learned turn are the generation prompt inference uses
+(liger_cli.data.checks), produce warnings (codes in liger_cli.data) rather than errors: the data may
+be what you meant.
 """
 
 from __future__ import annotations
 
 import re
 
+from liger_cli.data.checks import train_infer_mismatches
 from liger_cli.data.encode import IGNORE_INDEX, Encoded
 
 GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -70,8 +73,10 @@ def encode_chat(row: dict, tokenizer, learn_turns: str = "all", learn_reasoning:
             )
     warnings += _learned_non_assistant(messages, full, offsets, learned, turns)
     labels = [i if keep else IGNORE_INDEX for i, keep in zip(ids, learned, strict=True)]
-    learned_turns = [(_field(i), first, end) for i, first, end in turns if any(learned[first:end])]
+    turns = [(i, first, end) for i, first, end in turns if any(learned[first:end])]
+    learned_turns = [(_field(i), first, end) for i, first, end in turns]
     warnings += _missing_turn_ends(tokenizer, ids, labels, learned_turns)
+    warnings += train_infer_mismatches(tokenizer, messages, tools, ids, turns)
     return Encoded(ids, labels, learned_turns, warnings)
 
 

@@ -130,7 +130,8 @@ def warnings_text(splits: list[Split | None]) -> str:
     for code in WARNINGS:
         hits = [w for w in found if w.code == code]
         if hits:
-            lines.append(f"  {code}: {len(hits)} example(s), {WARNINGS[code]}")
+            examples = len({(w.path, w.row) for w in hits})
+            lines.append(f"  {code}: {examples} example(s), {WARNINGS[code]}")
             lines += [f"    {w.path.name} {_row(w)}, {w.field}: {w.message}" for w in hits[:3]]
     return "\n".join(lines)
 

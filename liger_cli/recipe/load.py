@@ -8,6 +8,8 @@ and the line, and nothing is created on disk until the whole recipe is valid.
 from __future__ import annotations
 
 import difflib
+import re
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
@@ -49,19 +51,39 @@ __all__ = [
 
 
 class _Loader(yaml.SafeLoader):
-    """safe_load, plus duplicate-key detection (PyYAML silently keeps the last one)."""
+    """safe_load, plus duplicate-key detection (PyYAML silently keeps the last one), and a value
+    PyYAML cannot build (`2024-13-45`, `!!int abc`) as a YAML error at that value, not a traceback."""
+
+    def construct_object(self, node, deep=False):  # noqa: ANN001
+        try:
+            return super().construct_object(node, deep=deep)
+        except (ValueError, TypeError, OverflowError) as err:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"cannot read this value ({err})", node.start_mark
+            ) from None
 
     def construct_mapping(self, node, deep=False):  # noqa: ANN001
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=True)
             line = key_node.start_mark.line + 1
+            if not isinstance(key, Hashable):
+                continue  # SafeLoader's own check says "found unhashable key" at its line
             if key in seen:
                 raise UserError(
                     f"duplicate key `{key}` at line {line} (first at line {seen[key]}): keep only one"
                 )
             seen[key] = line
         return super().construct_mapping(node, deep=deep)
+
+
+# The characters PyYAML refuses anywhere in a document (its reader's own check).
+_NOT_IN_YAML = yaml.reader.Reader.NON_PRINTABLE
+
+
+def _printable(text: str) -> str:
+    """`text` on one line: control characters and line breaks written as escapes."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _key_lines(node: yaml.Node | None, prefix: tuple = (), out: dict | None = None) -> dict[tuple, int]:
@@ -88,6 +110,12 @@ def _read_yaml(path: Path) -> tuple[dict, dict[tuple, int]]:
         ) from None
     except OSError as err:
         raise UserError(f"cannot read recipe {path}: {err.strerror}") from None
+    if bad := _NOT_IN_YAML.search(text):
+        line, column = text.count("\n", 0, bad.start()) + 1, bad.start() - text.rfind("\n", 0, bad.start())
+        raise UserError(
+            f"{path}: line {line}, column {column}: control character U+{ord(bad.group()):04X} "
+            f"({_printable(bad.group())}), which YAML does not allow; delete it (a recipe is plain UTF-8 text)"
+        )
     loader = _Loader(text)
     try:
         node = loader.get_single_node()
@@ -97,9 +125,9 @@ def _read_yaml(path: Path) -> tuple[dict, dict[tuple, int]]:
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark or err.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
-        raise UserError(f"{path}: invalid YAML at {where}: {err.problem or err}") from None
+        raise UserError(f"{path}: invalid YAML at {where}: {_printable(err.problem or str(err))}") from None
     except yaml.YAMLError as err:
-        raise UserError(f"{path}: invalid YAML: {err}") from None
+        raise UserError(f"{path}: invalid YAML: {_printable(str(err))}") from None
     finally:
         loader.dispose()
     if data is None:
@@ -160,6 +188,11 @@ def _suggest(loc: tuple) -> str:
 
 def apply_override(data: dict, assignment: str) -> None:
     """Apply one `--set a.b=c`; the value is parsed as a YAML scalar or flow list."""
+    if bad := re.search(r"[\n\r]", assignment) or _NOT_IN_YAML.search(assignment):
+        raise UserError(
+            f"--set {_printable(assignment)}: control character U+{ord(bad.group()):04X} at position "
+            f"{bad.start() + 1}; delete it (a stray byte pasted into the command line?)"
+        )
     key, sep, raw = assignment.partition("=")
     key = key.strip()
     if not sep or not key:
