@@ -122,6 +122,35 @@ def causal_lm_cross_entropy(
     return _divide_by_items(loss, num_items_in_batch)
 
 
+def sequence_logprobs_loss(
+    logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kwargs
+):
+    """A loss_function for the preference objectives: per row, the summed log-probability of its learned
+    tokens and their count, stacked as [2, rows] (fp32), same shift as ForCausalLMLoss.
+
+    Given lm_head's deferred input (our fused loss patched in), it never builds the logits
+    (`fused_linear_logprob`); given real logits, it takes their log-softmax.
+    """
+    from .fused_linear_logprob import fused_linear_logprob
+    from .fused_linear_logprob import shift_labels as shift
+
+    if isinstance(logits, DeferredLogits):
+        hidden, head = logits.hidden, logits.lm_head
+        targets = shift_labels if shift_labels is not None else shift(labels, ignore_index)
+        logp, count = fused_linear_logprob(
+            hidden, head.weight, targets.to(hidden.device), head.bias, ignore_index, shift=False
+        )
+    else:
+        targets = (shift_labels if shift_labels is not None else shift(labels, ignore_index)).to(
+            logits.device
+        )
+        learned = targets != ignore_index
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        picked = logprobs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        logp, count = (picked * learned).sum(-1), learned.sum(-1)
+    return torch.stack([logp, count.to(logp.dtype)])
+
+
 def _loss_function_refusal(causal_lm: nn.Module) -> str | None:
     """Why the model's loss is not transformers' ForCausalLMLoss (the math our losses reproduce)."""
     from transformers.loss.loss_utils import ForCausalLMLoss
@@ -209,6 +238,8 @@ class _Intercepted:
 
 def _fused_loss(original_loss):
     """A loss_function that fuses when handed DeferredLogits and otherwise is the original one."""
+    if original_loss is sequence_logprobs_loss:
+        return original_loss  # it takes DeferredLogits itself
 
     def loss_function(
         logits,
@@ -338,7 +369,8 @@ def patch_fused_linear_cross_entropy(causal_lm: nn.Module):
         return refusal
 
     def forward(self, *args, **kwargs):
-        if not (self.training and kwargs.get("labels") is not None):
+        per_sequence = self.loss_function is sequence_logprobs_loss  # no logits needed, in eval mode too
+        if not ((self.training or per_sequence) and kwargs.get("labels") is not None):
             return type(self).forward(self, *args, **kwargs)  # eval and generation get real logits
         with _Intercepted(self):
             output = type(self).forward(self, *args, **kwargs)

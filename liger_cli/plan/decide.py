@@ -102,10 +102,11 @@ def build_plan(recipe: Recipe, model: nn.Module | None = None, env: Mapping[str,
     """
     import torch
 
-    if recipe.data.format == "preference":
+    if recipe.training.objective == "dpo" and recipe.adapter.type == "none":
         raise UserError(
-            "data.format preference: training on preference pairs (DPO, SimPO, ORPO) is not in this version "
-            "yet; `liger data RECIPE` shows the pairs as they will be trained"
+            "training.objective dpo with adapter.type none needs a frozen reference model, and liger does not "
+            "precompute reference log-probs yet: train an adapter (lora or dora; its reference is the model "
+            "with the adapter disabled), or use objective simpo or orpo (no reference)"
         )
     env = os.environ if env is None else env
     dist = recipe.distributed

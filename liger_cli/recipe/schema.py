@@ -158,12 +158,45 @@ class TrainingSection(_Section):
     seed: int = 42
     eval_every: int | None = Field(None, ge=1)
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    objective: Literal["sft", "dpo", "simpo", "orpo"] = "sft"
+    """sft: the causal-LM loss on the learned tokens; dpo, simpo, orpo: preference pairs (data.format preference)."""
 
     @model_validator(mode="after")
     def _one_length(self) -> TrainingSection:
         if self.max_steps is not None and self.epochs is not None:
             raise ValueError("set only one of training.max_steps and training.epochs")
         return self
+
+
+class PreferenceSection(_Section):
+    """The preference objectives' options; each one applies to the objectives its comment names."""
+
+    beta: float = Field(0.1, gt=0)
+    """dpo, simpo: the reward scale; orpo: the weight of the odds-ratio term."""
+    loss_type: Literal["sigmoid", "ipo", "hinge", "robust"] = "sigmoid"
+    """dpo only."""
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5)
+    """dpo with loss_type sigmoid or robust: the assumed share of pairs whose labels are flipped."""
+    gamma: float = Field(0.5, ge=0)
+    """simpo only: the target reward margin."""
+    sft_weight: float = Field(0.0, ge=0)
+    """dpo, simpo: add this times the chosen answer's mean NLL (orpo always has it)."""
+
+    def check(self, objective: str) -> None:
+        """An option the objective cannot honour is an error, never ignored."""
+        applies = {
+            "loss_type": objective == "dpo",
+            "gamma": objective == "simpo",
+            "label_smoothing": objective == "dpo" and self.loss_type in ("sigmoid", "robust"),
+            "sft_weight": objective in ("dpo", "simpo"),
+            "beta": True,
+        }
+        for name in sorted(self.model_fields_set):
+            if not applies[name] and not (name == "label_smoothing" and self.label_smoothing == 0):
+                where = f"training.objective {objective}" + (
+                    f" with loss_type {self.loss_type}" if objective == "dpo" else ""
+                )
+                raise ValueError(f"preference.{name} does not apply to {where}; remove it")
 
 
 class KernelsSection(_Section):
@@ -267,6 +300,28 @@ class Recipe(_Section):
     distributed: DistributedSection = Field(default_factory=DistributedSection)
     output: OutputSection = Field(default_factory=OutputSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
+    preference: PreferenceSection = Field(default_factory=PreferenceSection)
+
+    @model_validator(mode="after")
+    def _objective_and_data(self) -> Recipe:
+        objective, fmt = self.training.objective, self.data.format
+        if objective != "sft" and fmt != "preference":
+            raise ValueError(
+                f"training.objective {objective} trains on preference pairs: set data.format: preference"
+            )
+        if objective == "sft" and fmt == "preference":
+            raise ValueError("data.format preference needs a preference objective: set training.objective to dpo, "
+                             "simpo or orpo")  # fmt: skip
+        if objective == "sft" and "preference" in self.model_fields_set:
+            raise ValueError(
+                "the preference section applies to training.objective dpo, simpo or orpo; remove it"
+            )
+        if objective != "sft":
+            self.preference.check(objective)
+        return self
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+        data = self.model_dump(mode="json")
+        if self.training.objective == "sft":
+            del data["preference"]  # sft recipes read as they always did
+        return yaml.safe_dump(data, sort_keys=False)

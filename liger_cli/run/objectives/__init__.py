@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 from liger_cli.run.objectives.causal_lm import CausalLM
+from liger_cli.run.objectives.preference import Preference
 
 if TYPE_CHECKING:
     import torch
@@ -35,9 +36,10 @@ class Objective(Protocol):
         """The batch's loss summed over its units, divided by `num_items`; its metrics the same way."""
 
 
-OBJECTIVES: dict[str, type] = {"sft": CausalLM}
-
-
 def objective_for(recipe: Recipe) -> Objective:
-    """The recipe's objective (supervised fine-tuning: the causal-LM loss over label tokens)."""
-    return OBJECTIVES["sft"]()
+    """The recipe's `training.objective`: sft (the causal-LM loss over label tokens), or a preference
+    objective (a loss per pair: dpo, simpo, orpo)."""
+    objective = recipe.training.objective
+    if objective == "sft":
+        return CausalLM()
+    return Preference(objective, recipe.preference)
