@@ -26,6 +26,7 @@ import types
 import torch
 from torch import nn
 
+from . import _probe
 from .cross_entropy import cross_entropy
 from .fused_linear_cross_entropy import fused_linear_cross_entropy
 
@@ -178,16 +179,49 @@ def patch_cross_entropy(causal_lm: nn.Module):
 
 
 def lm_head_refusal(lm_head: nn.Module) -> str | None:
-    """Why the fused loss cannot read this lm_head's weight as the whole head, or None."""
-    # A plain Linear, or one whose class FSDP-2's fully_shard swapped for a subclass (FSDPLinear).
-    if isinstance(lm_head, nn.Linear) and not hasattr(lm_head, "base_layer"):
-        return None
+    """Why the fused loss cannot read this lm_head's weight and bias as the whole head, or None.
+
+    The fused loss computes `F.linear(h, lm_head.weight, lm_head.bias)` and never calls the head. That
+    is the head only when it holds no other parameter (one it holds would get no gradient) and its
+    forward is nn.Linear's, or proven equal to it on probes. An nn.Linear subclass is not enough:
+    FSDP-2's FSDPLinear is one, and so is a head that scales its logits by a learned vector.
+    """
+    name = type(lm_head).__name__
     if hasattr(lm_head, "base_layer"):
         return (
-            f"lm_head carries an adapter ({type(lm_head).__module__}.{type(lm_head).__name__}); the fused loss "
+            f"lm_head carries an adapter ({type(lm_head).__module__}.{name}); the fused loss "
             "reads lm_head.weight directly and would train without the adapter's gradient"
         )
-    return f"lm_head is a {type(lm_head).__name__}, not a plain nn.Linear"
+    if not isinstance(lm_head, nn.Linear):
+        return f"lm_head is a {name}, not a plain nn.Linear"
+    own = [n for n, _ in lm_head.named_parameters() if n not in ("weight", "bias")]
+    if own:
+        return (
+            f"lm_head is a {name} with parameters of its own ({', '.join(own)}); the fused loss reads "
+            "only its weight and bias, and would train without their gradient"
+        )
+    if type(lm_head).forward is not nn.Linear.forward and not _forward_is_linear(lm_head):
+        return f"{name}.forward is not F.linear(h, weight, bias) on probes"
+    return None
+
+
+def _forward_is_linear(lm_head: nn.Linear) -> bool:
+    """Whether the head's own forward, run on a small stand-in, is F.linear(h, weight, bias)."""
+    twin = _probe.stand_in(lm_head)
+    small = _probe.small_linear(8, 6, lm_head.bias is not None, seed=0)
+    twin.weight, twin.bias = small.weight, small.bias
+    twin.in_features, twin.out_features = 8, 6
+    g = _probe.generator(1)
+    inputs = [(torch.randn(2, 3, 8, generator=g) * scale,) for scale in _probe.SCALES]
+
+    def theirs(training, h):
+        twin.train(training)
+        return type(lm_head).forward(twin, h)
+
+    def linear(training, h):
+        return nn.functional.linear(h, twin.weight, twin.bias)
+
+    return _probe.agrees(theirs, linear, inputs)
 
 
 class _DeferringHead:
