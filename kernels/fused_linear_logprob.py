@@ -35,10 +35,12 @@ with none gets logp_sum 0 and count 0.
 Numerics: matmuls in the inputs' dtype (under autocast, the autocast dtype, as FLCE), everything
 else in fp32; logp_sum is fp32. The per-row upstream factors are applied in fp32: to grad_hidden
 after the fact, and for the recomputed gradients folded into the logits' gradient as factors in
-[-1, 1] (divided by their largest magnitude, a device scalar, which is multiplied back in fp32), so
-the low-precision gradient of the logits stays in [-1, 1] as FLCE's does: a GradScaler's large
-factor never overflows fp16 there, and grad_output is never cast to a low-precision dtype. One host synchronisation per call on
-CUDA: counting the learned rows (torch.nonzero), which sizes the gathered rows; none in the loops.
+[-1, 1] (divided by their largest magnitude, a device scalar, multiplied back in fp32), so the
+low-precision gradient of the logits stays in [-1, 1] as FLCE's does: a GradScaler's large factor
+never overflows fp16 there, and grad_output is never cast to a low-precision dtype.
+
+One host synchronisation per call on CUDA: counting the learned rows (torch.nonzero), which sizes
+the gathered rows; none in the loops.
 """
 
 from __future__ import annotations
