@@ -112,6 +112,21 @@ def test_matches_float64_formula_with_every_gradient(kernel_backend, trainable, 
         assert weight.grad is None and bias.grad is None
 
 
+def test_frozen_weight_with_trainable_bias(kernel_backend):
+    """Only the bias trains: its gradient is right and the weight still gets none."""
+    hidden, weight, bias = inputs()
+    weight.requires_grad_(False)
+    labels = preference_labels()
+    got, _ = fused_linear_logprob(hidden, weight, labels, bias, vocab_block=64, chunk_rows=4)
+    g = upstream()
+    exact = [t.detach().double().requires_grad_() for t in (hidden, bias)]
+    want = exact_logprob(exact[0], weight.detach(), labels, exact[1])[0]
+    got.backward(g)
+    assert weight.grad is None
+    for got_grad, want_grad in zip((hidden.grad, bias.grad), grads_of(want, exact, g.double()), strict=True):
+        torch.testing.assert_close(got_grad.double(), want_grad, rtol=1e-5, atol=1e-6)
+
+
 def test_positions_that_predict_nothing_get_exactly_zero_gradient(kernel_backend):
     hidden, weight, bias = inputs()
     labels = preference_labels()
