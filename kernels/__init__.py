@@ -1,12 +1,15 @@
 """liger_kernels: our Triton kernels with PyTorch reference paths (installed from `kernels/`).
 
 Each kernel runs Triton on CUDA tensors and PyTorch elsewhere; `LIGER_KERNEL_BACKEND=triton|torch`
-forces one. `patch_model` puts them into one Hugging Face model instance.
+forces one. `patch_model` puts them into one Hugging Face model instance. `fused_linear_logprob` and
+`preference_loss` are the kernel half of preference training (DPO/IPO/SimPO/ORPO).
 """
 
 from .cross_entropy import cross_entropy
 from .fused_linear_cross_entropy import fused_linear_cross_entropy
+from .fused_linear_logprob import fused_linear_logprob
 from .patch import PatchReport, patch_model
+from .preference import check_preference_options, preference_loss
 from .rms_norm import rms_norm
 from .rope import apply_rope
 from .swiglu import swiglu
@@ -14,9 +17,12 @@ from .swiglu import swiglu
 __all__ = [
     "PatchReport",
     "apply_rope",
+    "check_preference_options",
     "cross_entropy",
     "fused_linear_cross_entropy",
+    "fused_linear_logprob",
     "patch_model",
+    "preference_loss",
     "rms_norm",
     "swiglu",
 ]

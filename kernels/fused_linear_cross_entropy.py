@@ -122,6 +122,111 @@ class _Slots:
         return v0 * self.row_len < end and start < v1 * self.row_len
 
 
+class _Blocks:
+    """One call's vocabulary blocks (PyTorch path) and the buffer each block's logits are written to:
+    the first blocks' in grad_weight's memory (`_Slots`, when grad_weight is given), every other
+    block's in one work buffer, reused (a fresh 32 MiB each time would cost as many page faults: the
+    allocator hands blocks this large back to the system when freed)."""
+
+    def __init__(self, n_rows, vocab, block, device, grad_weight=None):
+        self.n_rows = n_rows
+        self.bounds = _blocks(vocab, block)
+        self.slots = _Slots(grad_weight, n_rows, self.bounds) if grad_weight is not None else None
+        self.n_kept = len(self.slots.views) if self.slots is not None else 0
+        self.slot_max = []  # per stored block: each row's running max when its exponentials were taken
+        self.work = torch.empty(n_rows * min(block, vocab), dtype=torch.float32, device=device)
+
+    def buffer(self, k, v0, v1):
+        return self.slots.views[k] if k < self.n_kept else _view(self.work, self.n_rows, v1 - v0)
+
+    def overlaps_own(self, k, v0, v1):
+        return self.slots is not None and self.slots.overlaps_own(k, v0, v1)
+
+
+def _where_target(target, v0, v1):
+    """Which rows' target lies in the block [v0, v1), and its column there (clamped for the others)."""
+    in_block = (target >= v0) & (target < v1)
+    return in_block, (target - v0).clamp_(0, v1 - v0 - 1).unsqueeze(1)
+
+
+def _lse_pass(h2d, weight, bias, target, blocks, label_smoothing=0.0, acc=None):
+    """First pass over the vocabulary blocks: each row's log-sum-exp (online, as in flash attention:
+    a running max and sum of exponentials, rescaled whenever the max grows), its target's logit and,
+    for label smoothing, the sum of its logits. With `acc` ([rows, H] fp32) it also accumulates
+    exp(logits - max) @ W under the same rescaling (softmax @ W once divided by the sum). The blocks
+    kept in slots keep exp(logits - max), and their max goes to `blocks.slot_max`.
+
+    Returns (lse, target_logit, logit_sum or None, sum_exp), fp32 per row.
+    """
+    n_rows, device = h2d.shape[0], h2d.device
+    running_max = torch.full((n_rows,), float("-inf"), device=device)
+    sum_exp = torch.zeros(n_rows, device=device)
+    target_logit = torch.zeros(n_rows, device=device)
+    logit_sum = torch.zeros(n_rows, device=device) if label_smoothing > 0 else None
+    for k, (v0, v1) in enumerate(blocks.bounds):
+        w, b = weight[v0:v1], None if bias is None else bias[v0:v1]
+        logits = _logits_into(blocks.buffer(k, v0, v1), h2d, w, b)
+        in_block, column = _where_target(target, v0, v1)
+        target_logit += torch.where(in_block, logits.gather(1, column).squeeze(1), 0.0)
+        if logit_sum is not None:
+            logit_sum += logits.sum(1)
+        new_max = torch.maximum(running_max, logits.amax(1))
+        rescale = torch.exp(running_max - new_max)
+        logits.sub_(new_max.unsqueeze(1)).exp_()  # exp(logits - max): what a slot keeps
+        sum_exp.mul_(rescale).add_(logits.sum(1))
+        if acc is not None:
+            acc.mul_(rescale.unsqueeze(1))
+            _add_matmul(acc, logits, w)
+        if k < blocks.n_kept:
+            blocks.slot_max.append(new_max)
+        running_max = new_max
+        del logits
+    return running_max + sum_exp.log(), target_logit, logit_sum, sum_exp
+
+
+def _gradient_pass(
+    h2d, weight, bias, target, valid, lse, blocks, label_smoothing, grad_hidden, grad_weight, grad_bias,
+    row_scale=None,
+):  # fmt: skip
+    """Second pass: each block's d loss / d logits = softmax - (1 - s) * onehot - s / V (zero for rows
+    not `valid`), times `row_scale` per row when given, into grad_hidden (+=), grad_weight and grad_bias
+    (written once per block). Blocks kept in slots turn their stored exp(logits - max) into softmax;
+    the others recompute their logits from `lse` (each row's final log-sum-exp)."""
+    f32 = torch.float32
+    # An ignored row's log-sum-exp is +inf, so its probabilities, hence its gradient, come out 0.
+    lse = torch.where(valid, lse, float("inf")).unsqueeze(1)
+    smooth = (
+        torch.where(valid, label_smoothing / weight.shape[0], 0.0).unsqueeze(1)
+        if label_smoothing > 0
+        else None
+    )
+    for k, (v0, v1) in enumerate(blocks.bounds):
+        w, b = weight[v0:v1], None if bias is None else bias[v0:v1]
+        if k < blocks.n_kept:  # softmax = exp(logits - max) * exp(max - lse)
+            probs = blocks.slots.views[k].mul_(torch.exp(blocks.slot_max[k].unsqueeze(1) - lse))
+        else:
+            probs = _logits_into(blocks.buffer(k, v0, v1), h2d, w, b).sub_(lse).exp_()
+        in_block, column = _where_target(target, v0, v1)
+        probs.scatter_add_(1, column, torch.where(in_block & valid, label_smoothing - 1.0, 0.0).unsqueeze(1))
+        if smooth is not None:
+            probs.sub_(smooth)
+        if row_scale is not None:
+            probs.mul_(row_scale.unsqueeze(1))
+        if grad_hidden is not None:
+            _add_matmul(grad_hidden, probs, w)
+        if grad_bias is not None:
+            torch.sum(probs, 0, out=grad_bias[v0:v1])
+        if grad_weight is not None:
+            if w.dtype != f32:  # the matmul in the weight's dtype
+                grad_weight[v0:v1] = torch.mm(probs.t().to(w.dtype), h2d)
+            elif not blocks.overlaps_own(k, v0, v1):
+                torch.mm(probs.t(), h2d, out=grad_weight[v0:v1])
+            else:  # the result would overwrite its own slot: through `work` (free: probs is in the slot)
+                tmp = _view(blocks.work, v1 - v0, h2d.shape[1])
+                grad_weight[v0:v1] = torch.mm(probs.t(), h2d, out=tmp) if tmp is not None else probs.t() @ h2d
+        del probs
+
+
 def _forward_torch(h2d, weight, bias, target, valid, label_smoothing, block, grads):
     """The PyTorch path, over blocks of the vocabulary (every matmul keeps all the tokens, so the CPU
     BLAS runs large, efficient shapes). Returns per-row losses and the unscaled gradients.
@@ -136,47 +241,11 @@ def _forward_torch(h2d, weight, bias, target, valid, label_smoothing, block, gra
     need_hidden, need_weight, need_bias = grads
     n_rows, vocab = h2d.shape[0], weight.shape[0]
     device, f32 = h2d.device, torch.float32
-    bounds = _blocks(vocab, block)
     one_pass = need_hidden and not (need_weight or need_bias)
     grad_weight = torch.empty(weight.shape, dtype=f32, device=weight.device) if need_weight else None
-    slots = _Slots(grad_weight, n_rows, bounds) if grad_weight is not None else None
-    running_max = torch.full((n_rows,), float("-inf"), device=device)
-    sum_exp = torch.zeros(n_rows, device=device)
-    target_logit = torch.zeros(n_rows, device=device)
-    logit_sum = torch.zeros(n_rows, device=device) if label_smoothing > 0 else None
+    blocks = _Blocks(n_rows, vocab, block, device, grad_weight)
     acc = torch.zeros(h2d.shape, dtype=f32, device=device) if one_pass else None
-    slot_max = []  # per stored block: each row's running max when its exponentials were taken
-    # One buffer for every block not kept in a slot, reused: a fresh 32 MiB each time would cost as
-    # many page faults (the allocator hands blocks this large back to the system when freed).
-    work = torch.empty(n_rows * min(block, vocab), dtype=f32, device=device)
-    n_kept = len(slots.views) if slots is not None else 0
-
-    def buffer(k, v0, v1):
-        return slots.views[k] if k < n_kept else _view(work, n_rows, v1 - v0)
-
-    def where_target(v0, v1):
-        in_block = (target >= v0) & (target < v1)
-        return in_block, (target - v0).clamp_(0, v1 - v0 - 1).unsqueeze(1)
-
-    for k, (v0, v1) in enumerate(bounds):
-        w, b = weight[v0:v1], None if bias is None else bias[v0:v1]
-        logits = _logits_into(buffer(k, v0, v1), h2d, w, b)
-        in_block, column = where_target(v0, v1)
-        target_logit += torch.where(in_block, logits.gather(1, column).squeeze(1), 0.0)
-        if logit_sum is not None:
-            logit_sum += logits.sum(1)
-        new_max = torch.maximum(running_max, logits.amax(1))
-        rescale = torch.exp(running_max - new_max)
-        logits.sub_(new_max.unsqueeze(1)).exp_()  # exp(logits - max): what a slot keeps
-        sum_exp.mul_(rescale).add_(logits.sum(1))
-        if acc is not None:
-            acc.mul_(rescale.unsqueeze(1))
-            _add_matmul(acc, logits, w)
-        if k < n_kept:
-            slot_max.append(new_max)
-        running_max = new_max
-        del logits
-    lse = running_max + sum_exp.log()
+    lse, target_logit, logit_sum, sum_exp = _lse_pass(h2d, weight, bias, target, blocks, label_smoothing, acc)
     loss = lse - target_logit
     if logit_sum is not None:
         loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - logit_sum / vocab)
@@ -196,42 +265,23 @@ def _forward_torch(h2d, weight, bias, target, valid, label_smoothing, block, gra
 
     grad_hidden = torch.zeros(h2d.shape, dtype=f32, device=device) if need_hidden else None
     grad_bias = torch.empty(vocab, dtype=f32, device=weight.device) if need_bias else None
-    # An ignored row's log-sum-exp is +inf, so its probabilities, hence its gradient, come out 0.
-    lse = torch.where(valid, lse, float("inf")).unsqueeze(1)
-    smooth = torch.where(valid, label_smoothing / vocab, 0.0).unsqueeze(1) if label_smoothing > 0 else None
-    for k, (v0, v1) in enumerate(bounds):
-        w, b = weight[v0:v1], None if bias is None else bias[v0:v1]
-        if k < n_kept:  # softmax = exp(logits - max) * exp(max - lse)
-            probs = slots.views[k].mul_(torch.exp(slot_max[k].unsqueeze(1) - lse))
-        else:
-            probs = _logits_into(buffer(k, v0, v1), h2d, w, b).sub_(lse).exp_()
-        in_block, column = where_target(v0, v1)
-        probs.scatter_add_(1, column, torch.where(in_block & valid, label_smoothing - 1.0, 0.0).unsqueeze(1))
-        if smooth is not None:
-            probs.sub_(smooth)
-        if grad_hidden is not None:
-            _add_matmul(grad_hidden, probs, w)
-        if grad_bias is not None:
-            torch.sum(probs, 0, out=grad_bias[v0:v1])
-        if grad_weight is not None:
-            if w.dtype != f32:  # the matmul in the weight's dtype
-                grad_weight[v0:v1] = torch.mm(probs.t().to(w.dtype), h2d)
-            elif not slots.overlaps_own(k, v0, v1):
-                torch.mm(probs.t(), h2d, out=grad_weight[v0:v1])
-            else:  # the result would overwrite its own slot: through `work` (free: probs is in the slot)
-                tmp = _view(work, v1 - v0, h2d.shape[1])
-                grad_weight[v0:v1] = torch.mm(probs.t(), h2d, out=tmp) if tmp is not None else probs.t() @ h2d
-        del probs
+    _gradient_pass(
+        h2d, weight, bias, target, valid, lse, blocks, label_smoothing, grad_hidden, grad_weight, grad_bias
+    )
     return loss, grad_hidden, grad_weight, grad_bias
 
 
-def _forward_triton(h2d, weight, bias, flat, valid, ignore_index, label_smoothing, chunk_rows, grads):
+def _forward_triton(
+    h2d, weight, bias, flat, valid, ignore_index, label_smoothing, chunk_rows, grads, row_scale=None
+):
     """The Triton path, over chunks of tokens: each chunk's logits become their gradient in place
     (our cross-entropy kernel, which also zeroes ignored rows), then feed both weight-sized matmuls.
-    On a GPU large row chunks keep cuBLAS efficient and nothing is computed twice."""
+    On a GPU large row chunks keep cuBLAS efficient and nothing is computed twice. `row_scale` (fp32,
+    per row) multiplies each row's gradient of the logits; without it every valid row counts once."""
     need_hidden, need_weight, need_bias = grads
     n_rows, vocab = h2d.shape[0], weight.shape[0]
-    valid_f = valid.to(torch.float32)
+    scale = valid.to(torch.float32) if row_scale is None else row_scale
+    write_grad = any(grads)
     grad_hidden = torch.empty_like(h2d) if need_hidden else None
     grad_weight = (
         torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
@@ -248,9 +298,11 @@ def _forward_triton(h2d, weight, bias, flat, valid, ignore_index, label_smoothin
         losses.append(
             cross_entropy_rows(
                 logits, flat[start:end].contiguous(), ignore_index, label_smoothing,
-                grad=logits, scale=valid_f[start:end],
+                grad=logits if write_grad else None, scale=scale[start:end],
             )
         )  # fmt: skip
+        if not write_grad:  # evaluation: the per-row losses only
+            continue
         grad_logits = logits.to(weight.dtype) if low_precision else logits
         if grad_hidden is not None:
             torch.mm(grad_logits, weight, out=grad_hidden[start:end])
