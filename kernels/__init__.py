@@ -9,6 +9,7 @@ from .cross_entropy import cross_entropy
 from .fused_linear_cross_entropy import fused_linear_cross_entropy
 from .fused_linear_logprob import fused_linear_logprob
 from .patch import PatchReport, patch_model
+from .patch_loss import sequence_logprobs_loss
 from .preference import check_preference_options, preference_loss
 from .rms_norm import rms_norm
 from .rope import apply_rope
@@ -24,5 +25,6 @@ __all__ = [
     "patch_model",
     "preference_loss",
     "rms_norm",
+    "sequence_logprobs_loss",
     "swiglu",
 ]

@@ -176,7 +176,7 @@ class PreferenceSection(_Section):
     loss_type: Literal["sigmoid", "ipo", "hinge", "robust"] = "sigmoid"
     """dpo only."""
     label_smoothing: float = Field(0.0, ge=0, lt=0.5)
-    """dpo with loss_type sigmoid or robust: the assumed share of pairs whose labels are flipped."""
+    """dpo (loss_type sigmoid or robust) and simpo: the assumed share of pairs whose labels are flipped."""
     gamma: float = Field(0.5, ge=0)
     """simpo only: the target reward margin."""
     sft_weight: float = Field(0.0, ge=0)
@@ -187,7 +187,8 @@ class PreferenceSection(_Section):
         applies = {
             "loss_type": objective == "dpo",
             "gamma": objective == "simpo",
-            "label_smoothing": objective == "dpo" and self.loss_type in ("sigmoid", "robust"),
+            "label_smoothing": objective == "simpo"
+            or (objective == "dpo" and self.loss_type in ("sigmoid", "robust")),
             "sft_weight": objective in ("dpo", "simpo"),
             "beta": True,
         }

@@ -59,8 +59,8 @@ class Preference:
         ref = (reference[:n], reference[n:]) if reference is not None else (None, None)
         per_pair, metrics = preference_loss(
             self.objective, logp[:n], logp[n:], count[:n], count[n:], *ref,
-            beta=o.beta, loss_type=o.loss_type, label_smoothing=o.label_smoothing, gamma=o.gamma,
-            sft_weight=o.sft_weight,
+            beta=o.beta, loss_type=o.loss_type, label_smoothing=o.label_smoothing,
+            gamma=o.gamma if self.objective == "simpo" else 0.0, sft_weight=o.sft_weight,
         )  # fmt: skip
         divide = num_items.to(per_pair.device, per_pair.dtype)
         return per_pair.sum() / divide, {name: v.float().sum() / divide for name, v in metrics.items()}
