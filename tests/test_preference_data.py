@@ -201,10 +201,3 @@ def test_liger_data_reports_shows_and_writes_pairs(tmp_path):
     assert [x["row"] for x in lines] == [1, 2]
     for key in ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels"):
         assert [x[key] for x in lines] == train.examples[key]
-
-
-def test_training_on_pairs_is_refused_until_it_exists(tmp_path):
-    recipe = write(tmp_path, [{"prompt": "1", "chosen": "one", "rejected": "two"}])
-    result = CliRunner().invoke(cli.app, ["train", str(recipe), "--dry-run"])
-    assert result.exit_code == 2 and "not in this version yet" in result.output, result.output
-    assert not (tmp_path / "out").exists()

@@ -276,6 +276,10 @@ def fit(trainer: Trainer) -> dict[str, float]:
         step += 1
         window_steps += 1
         progress.update(1)
+        if step == 1 and (
+            note := objective.start_note(dict(zip(["loss", *stats], step_sums.tolist(), strict=True)))
+        ):
+            log(note)  # a fresh run's first step, where an objective knows what it must see
 
         if step % recipe.logging.every == 0 or step == data.total_steps:
             elapsed = time.perf_counter() - window_start

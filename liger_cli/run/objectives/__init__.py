@@ -6,7 +6,8 @@ units divided by the step's global count of units (`loss`), so neither gradient 
 the number of processes changes the math. Beside the loss it may return its own metrics, summed
 over the same units and divided the same way (`stats`); the loop sums them over micro-batches and
 ranks, which gives their means, and logs them. `fit` and
-`evaluate` call nothing else, so a new objective is a new file here and one entry in `OBJECTIVES`.
+`evaluate` call nothing else (and `start_note` once, after a fresh run's first step), so a new
+objective is a new file here and one line in `objective_for`.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ class Objective(Protocol):
         self, model: nn.Module, batch: dict[str, torch.Tensor], num_items: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The batch's loss summed over its units, divided by `num_items`; its metrics the same way."""
+
+    def start_note(self, first: dict[str, float]) -> str | None:
+        """A line for the run log about a fresh run's first step (its loss and metrics), or None."""
 
 
 def objective_for(recipe: Recipe) -> Objective:

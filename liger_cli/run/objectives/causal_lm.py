@@ -18,3 +18,6 @@ class CausalLM:
     def loss(self, model, batch: dict[str, torch.Tensor], num_items: torch.Tensor):
         """transformers sums the token losses and divides by `num_items_in_batch` (the fused loss too)."""
         return model(**batch, num_items_in_batch=num_items).loss, {}
+
+    def start_note(self, first: dict[str, float]) -> str | None:
+        return None

@@ -18,6 +18,7 @@ README); the loss is a sum over pairs divided by the step's pair count, like eve
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 from torch import nn
@@ -64,6 +65,30 @@ class Preference:
         )  # fmt: skip
         divide = num_items.to(per_pair.device, per_pair.dtype)
         return per_pair.sum() / divide, {name: v.float().sum() / divide for name, v in metrics.items()}
+
+    def start_note(self, first: dict[str, float]) -> str | None:
+        """DPO starts from policy == reference (the adapter's B is zero): every reward 0 and, for the
+        sigmoid and robust losses, the loss ln 2. Said either way, so a wrong start is never silent."""
+        if self.objective != "dpo":
+            return None
+        drift = max(abs(first["rewards/chosen"]), abs(first["rewards/rejected"]))
+        expected = {
+            "sigmoid": math.log(2),
+            "robust": math.log(2),
+            "hinge": 1.0,
+            "ipo": (1 / (2 * self.options.beta)) ** 2,
+        }
+        if drift < 1e-4:
+            return (
+                f"start check: step 1 has policy == reference (rewards 0, loss {first['loss']:.4f}; "
+                f"{self.options.loss_type} at zero margin: {expected[self.options.loss_type]:.4f})"
+            )
+        return (
+            f"start check: step 1 rewards are {first['rewards/chosen']:.4g} (chosen) and "
+            f"{first['rewards/rejected']:.4g} (rejected), not 0, and the loss {first['loss']:.4f}, not "
+            f"{expected[self.options.loss_type]:.4f}: the policy differs from its reference at the start "
+            "(an adapter initialised away from zero, or dropout outside the adapter?)"
+        )
 
 
 def sequence_logprobs(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

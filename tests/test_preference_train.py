@@ -1,0 +1,217 @@
+"""Preference training: the objective on a real (tiny) model, fused vs eager, accumulation, the reference
+as the adapter disabled, and `liger train` runs of DPO, SimPO and ORPO."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from liger_cli.recipe.schema import PreferenceSection
+from liger_cli.run.objectives.preference import Preference, reference_mode, sequence_logprobs
+
+OPTIONS = {
+    "dpo": PreferenceSection(beta=0.2),
+    "dpo-robust": PreferenceSection(beta=0.2, loss_type="robust", label_smoothing=0.1),
+    "dpo-ipo": PreferenceSection(beta=0.2, loss_type="ipo"),
+    "simpo": PreferenceSection(beta=2.0, gamma=0.5, sft_weight=0.3),
+    "orpo": PreferenceSection(beta=0.2),
+}
+
+
+def pairs_examples(n: int, seed: int = 0) -> list[dict]:
+    """Pairs with prompts and answers of uneven lengths (padding and unequal learned-token counts)."""
+    rng = random.Random(seed)
+    examples = []
+    for _ in range(n):
+        prompt = [1] + [rng.randrange(3, 200) for _ in range(rng.randrange(1, 6))]
+        sides = {}
+        for side in ("chosen", "rejected"):
+            answer = [rng.randrange(3, 200) for _ in range(rng.randrange(1, 7))] + [2]
+            sides[f"{side}_input_ids"] = prompt + answer
+            sides[f"{side}_labels"] = [-100] * len(prompt) + answer
+        examples.append(sides)
+    return examples
+
+
+def lora_model(model_dir: Path, seed: int = 0, fused: bool = False, modules_to_save=None):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    torch.manual_seed(seed)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False,
+                        modules_to_save=modules_to_save)  # fmt: skip
+    model = get_peft_model(base, config)
+    if fused:
+        from liger_kernels import patch_model
+
+        patch_model(model, rms_norm=False, rope=False, swiglu=False, fused_linear_cross_entropy=True)
+    model.train()
+    return model
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def step(model, objective, examples, micro: int):
+    """One optimizer step's loss and gradients, `micro` pairs per micro-batch (the loop's arithmetic)."""
+    model.zero_grad()
+    batches = [objective.collate(examples[i : i + micro], 0) for i in range(0, len(examples), micro)]
+    num_items = sum(objective.units(b) for b in batches)
+    total, stats = 0.0, {}
+    for batch in batches:
+        loss, found = objective.loss(model, batch, num_items)
+        loss.backward()
+        total += loss.item()
+        for k, v in found.items():
+            stats[k] = stats.get(k, 0.0) + v.item()
+    return total, stats, grads(model)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIONS))
+def test_fused_and_eager_give_the_same_loss_metrics_and_gradients(tiny_model_dir, name):
+    objective = Preference(name.split("-")[0], OPTIONS[name])
+    examples = pairs_examples(4)
+    eager = step(lora_model(tiny_model_dir), objective, examples, micro=4)
+    fused = step(lora_model(tiny_model_dir, fused=True), objective, examples, micro=4)
+    assert fused[0] == pytest.approx(eager[0], rel=1e-5, abs=1e-6)
+    assert fused[1] == pytest.approx(eager[1], rel=1e-4, abs=1e-5)
+    assert fused[2].keys() == eager[2].keys() and fused[2]
+    for key in eager[2]:
+        torch.testing.assert_close(fused[2][key], eager[2][key], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["dpo", "orpo"])
+def test_accumulation_does_not_change_the_math(tiny_model_dir, name):
+    """4 pairs in one micro-batch, 2 x 2 and 1 x 4: one loss per pair over the step's pair count."""
+    objective = Preference(name, OPTIONS[name])
+    examples = pairs_examples(4, seed=1)
+    model = lora_model(tiny_model_dir, seed=1)
+    whole = step(model, objective, examples, micro=4)
+    for micro in (2, 1):
+        parts = step(model, objective, examples, micro=micro)
+        assert parts[0] == pytest.approx(whole[0], rel=1e-5)
+        assert parts[1] == pytest.approx(whole[1], rel=1e-4, abs=1e-6)
+        for key in whole[2]:
+            torch.testing.assert_close(parts[2][key], whole[2][key], rtol=1e-4, atol=1e-7)
+
+
+def test_the_reference_is_the_model_without_its_adapter_and_leaves_every_flag_as_it_was(tiny_model_dir):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = lora_model(tiny_model_dir, seed=2, modules_to_save=["lm_head"])
+    for name, p in model.named_parameters():  # an unusual but legal mix of frozen and trainable
+        if "lora_A" in name and "layers.0." in name:
+            p.requires_grad_(False)
+    model.base_model.model.model.layers[1].eval()
+    before_grad = {n: p.requires_grad for n, p in model.named_parameters()}
+    before_mode = {n: m.training for n, m in model.named_modules()}
+    batch = Preference("dpo", OPTIONS["dpo"]).collate(pairs_examples(2, seed=2), 0)
+
+    def leaky_disable_adapter(self):  # what peft has done: leave frozen adapter weights trainable
+        import contextlib
+
+        @contextlib.contextmanager
+        def context():
+            with PeftModel.disable_adapter(self):
+                yield
+            for p in self.parameters():
+                p.requires_grad_(True)
+
+        return context()
+
+    model.disable_adapter = leaky_disable_adapter.__get__(model)
+    with torch.no_grad(), reference_mode(model):
+        reference = sequence_logprobs(model, batch)[0]
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == before_grad
+    assert {n: m.training for n, m in model.named_modules()} == before_mode
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    base.train()
+    base.lm_head.weight.data.copy_(model.base_model.model.lm_head.original_module.weight)
+    base.model.layers[1].eval()
+    with torch.no_grad():
+        expected = sequence_logprobs(base, batch)[0]
+        policy = sequence_logprobs(model, batch)[0]
+    torch.testing.assert_close(reference, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(policy, expected, atol=1e-3)  # the adapter (random B) does change them
+
+
+# --- `liger train` ---------------------------------------------------------------------------------------
+
+
+def write_pairs(path: Path, n: int = 48) -> Path:
+    rng = random.Random(0)
+    words = "zero one two three four five six seven eight nine".split()
+    rows = []
+    for _ in range(n):
+        a = rng.randrange(10, 99)
+        rows.append({"prompt": str(a), "chosen": " ".join(words[int(c)] for c in str(a)),
+                     "rejected": " ".join(words[int(c)] for c in str(a + 1))})  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def train(
+    tmp_path: Path, model_dir: Path, objective: str, *extra: str
+) -> tuple[subprocess.CompletedProcess, Path]:
+    data = write_pairs(tmp_path / "pairs.jsonl")
+    out = tmp_path / f"out-{objective}"
+    recipe = tmp_path / f"{objective}.yaml"
+    recipe.write_text(
+        f"model: {{path: {model_dir}}}\n"
+        "adapter: {type: lora, r: 4, alpha: 8}\n"
+        f"data: {{train: {data}, format: preference, max_seq_len: 24, eval_fraction: 0.25}}\n"
+        f"training: {{objective: {objective}, max_steps: 3, micro_batch_size: 4, grad_accum: 2, lr: 5.0e-3, "
+        "eval_every: 2, seed: 1}\n"
+        f"output: {{dir: {out}}}\n"
+        "logging: {every: 1}\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "liger_cli", "train", str(recipe), *extra],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    return proc, out
+
+
+def test_dpo_run_logs_every_metric_starts_at_ln2_and_saves_an_adapter(tmp_path, tiny_model_dir):
+    proc, out = train(tmp_path, tiny_model_dir, "dpo")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    first_eval = next(x for x in lines if "eval_loss" in x)
+    assert first_eval["step"] == 0
+    assert first_eval["eval_loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert first_eval["eval_rewards/chosen"] == first_eval["eval_rewards/rejected"] == 0
+    train_lines = [x for x in lines if "loss" in x]
+    assert train_lines[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
+                "logps/chosen", "logps/rejected"):  # fmt: skip
+        assert key in train_lines[-1] and f"eval_{key}" in first_eval
+    assert "start check: step 1 has policy == reference" in proc.stdout
+    assert (out / "final" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("objective", ["simpo", "orpo"])
+def test_reference_free_objectives_train_and_need_no_reference(tmp_path, tiny_model_dir, objective):
+    proc, out = train(tmp_path, tiny_model_dir, objective, "--set", "adapter.type=none")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(math.isfinite(x["loss"]) for x in lines if "loss" in x)
+    assert "start check" not in proc.stdout
+    assert (out / "final" / "model.safetensors").is_file()
+
+
+def test_dpo_without_an_adapter_is_refused_before_anything_runs(tmp_path, tiny_model_dir):
+    proc, out = train(tmp_path, tiny_model_dir, "dpo", "--set", "adapter.type=none")
+    assert proc.returncode == 2
+    assert "needs a frozen reference model" in proc.stderr and "Traceback" not in proc.stderr
+    assert not out.exists()
