@@ -215,3 +215,27 @@ def test_dpo_without_an_adapter_is_refused_before_anything_runs(tmp_path, tiny_m
     assert proc.returncode == 2
     assert "needs a frozen reference model" in proc.stderr and "Traceback" not in proc.stderr
     assert not out.exists()
+
+
+def test_dry_run_plans_two_sequences_per_pair(tmp_path):
+    """The same recipe as SFT on single sequences: twice the activations (chosen and rejected rows)."""
+    from liger_cli.plan.dry_run import dry_run
+    from liger_cli.recipe import load_recipe
+
+    recipes = Path(__file__).resolve().parents[1] / "recipes"
+    text = (recipes / "dpo.yaml").read_text()
+    sft = tmp_path / "sft.yaml"
+    sft.write_text(
+        text.replace("objective: dpo", "objective: sft")
+        .replace("format: preference", "format: instruction")
+        .replace("dpo/train.jsonl", str(recipes / "quickstart/data/train.jsonl"))
+        .replace("dpo/eval.jsonl", str(recipes / "quickstart/data/eval.jsonl"))
+        .replace("quickstart/model", str(recipes / "quickstart/model"))
+        .replace("preference: {beta: 0.3, loss_type: sigmoid}", "")
+    )
+    pairs_plan = json.loads(dry_run(load_recipe(recipes / "dpo.yaml", []), as_json=True))["memory"][
+        "components"
+    ]
+    sft_plan = json.loads(dry_run(load_recipe(sft, []), as_json=True))["memory"]["components"]
+    assert pairs_plan["activations"] == pytest.approx(2 * sft_plan["activations"], rel=0.01)
+    assert pairs_plan["parameters"] == sft_plan["parameters"]

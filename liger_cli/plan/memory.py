@@ -63,6 +63,8 @@ class Settings:
     grad_accum: int
     checkpointing: bool
     fused_loss: bool
+    rows_per_example: int = 1
+    """Sequences per example: 2 for a preference pair (chosen and rejected go through one forward)."""
 
 
 @dataclass(frozen=True)
@@ -178,14 +180,16 @@ def estimate(facts: Facts, s: Settings) -> tuple[dict[str, int], dict[str, str]]
     parts["optimizer"] = share(2 * facts.trainable_bytes, "optimizer")
     notes["optimizer"] = "AdamW: two moments of the trainable parameters"
     mode = "every layer checkpointed" if s.checkpointing else "no checkpointing"
-    notes["activations"] = f"{s.micro_batch} x {facts.seq_len} tokens, {mode}"
+    rows = s.micro_batch * s.rows_per_example
+    pairs = f" ({s.micro_batch} pairs; the reference pass keeps none)" if s.rows_per_example == 2 else ""
+    notes["activations"] = f"{rows} x {facts.seq_len} tokens{pairs}, {mode}"
     if facts.activations is None:
         parts["activations"] = 0
         notes["activations"] = f"NOT MEASURED ({facts.unmeasured}): the total is a lower bound"
     else:
         acts = facts.activations.checkpointed() if s.checkpointing else facts.activations.total
-        parts["activations"] = int(acts * s.micro_batch / facts.batch)
-    parts["loss"], notes["loss"] = _loss(facts, s.micro_batch * facts.seq_len, s.fused_loss)
+        parts["activations"] = int(acts * rows / facts.batch)
+    parts["loss"], notes["loss"] = _loss(facts, rows * facts.seq_len, s.fused_loss)
     parts["overhead"] = OVERHEAD_BYTES.get(facts.device, OVERHEAD_BYTES["cuda"])
     notes["overhead"] = "CUDA context, workspaces" if parts["overhead"] else "none measurable on a CPU"
     return parts, notes
@@ -224,6 +228,7 @@ def settings_of(recipe: Recipe, plan: Plan) -> Settings:
         grad_accum=t.grad_accum,
         checkpointing=plan.activation_checkpointing != "off",
         fused_loss=bool(plan.kernels.get("fused_linear_cross_entropy")),
+        rows_per_example=1 if t.objective == "sft" else 2,
     )
 
 
