@@ -137,10 +137,16 @@ def test_every_command_refuses_packing_on_a_leaking_model(leaky_dir: Path, tmp_p
     assert len(lines) == 1 and lines[0].startswith("error: data.packing: true would change"), proc.stderr
     assert not (tmp_path / "out").exists()
 
-    # packing: false trains it: the Plan says the packing check did not run, and why.
-    plan = build_plan(load_recipe(recipe, ["data.packing=false"]))
+    # packing: false trains it: the Plan says the packing check did not run, and why, the same way in
+    # --dry-run and inspect-wrap --recipe.
+    recipe = write_recipe(tmp_path, leaky_dir, packing=False)
+    plan = build_plan(load_recipe(recipe))
     assert "packing check: not run (packing off)" in plan.notes
     assert any(n.startswith("accumulation check: ") and n.endswith("agree") for n in plan.notes)
+    for args in (["train", str(recipe), "--dry-run"], ["inspect-wrap", "--recipe", str(recipe)]):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 0, result.output
+        assert plan.render() in result.stdout
 
 
 def test_a_twin_that_cannot_be_built_leaves_packing_on_and_says_so(monkeypatch, leaky_dir: Path, tmp_path):

@@ -5,6 +5,10 @@
 `liger inspect-wrap --recipe` and the run's own log all print this same object, and later steps
 (model, backend, loop) only read it. What set-up learns afterwards (what the kernels patched) is
 not written into the Plan: it comes back as an `Applied` value, printed beside it.
+
+The twin checks (`liger_cli.twin`: the kernels, packing, accumulation) run here, each verdict one
+`note:` line in words that do not change between runs; a check that finds the run would train
+something other than what the recipe means is a UserError here, before anything runs.
 """
 
 from __future__ import annotations
