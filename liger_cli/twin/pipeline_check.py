@@ -31,7 +31,7 @@ from torch import nn
 
 from liger_cli.data.encode import IGNORE_INDEX, collate, pack_examples
 from liger_cli.model import loss as rule
-from liger_cli.twin.kernel_check import Step, disagreement
+from liger_cli.twin.kernel_check import LOSS_RTOL, Step, disagreement
 
 RUNNABLE_ATTENTION = (None, "eager", "sdpa")  # what the CPU twin can run
 # (length, tokens not learned at the start) of each example: uneven lengths and label counts.
@@ -134,7 +134,7 @@ def packing_disagreement(model: nn.Module) -> str | None:
             labels = torch.full_like(packed["labels"], IGNORE_INDEX)
             labels[r, a:b] = packed["labels"][r, a:b]
             got, want = _summed(model, {**packed, "labels": labels}), alone_sums[i]
-            if not torch.isfinite(got) or abs(got - want) > 1e-5 * max(1.0, abs(want)):
+            if not torch.isfinite(got) or abs(got - want) > LOSS_RTOL * max(1.0, abs(want)):
                 return (
                     f"example {i + 1} of {len(examples)} has a summed loss of {got.item():.6g} packed "
                     f"and {want.item():.6g} alone"
