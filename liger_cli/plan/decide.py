@@ -5,6 +5,10 @@
 `liger inspect-wrap --recipe` and the run's own log all print this same object, and later steps
 (model, backend, loop) only read it. What set-up learns afterwards (what the kernels patched) is
 not written into the Plan: it comes back as an `Applied` value, printed beside it.
+
+The twin checks (`liger_cli.twin`: the kernels, packing, accumulation) run here, each verdict one
+`note:` line in words that do not change between runs; a check that finds the run would train
+something other than what the recipe means is a UserError here, before anything runs.
 """
 
 from __future__ import annotations
@@ -119,10 +123,15 @@ def build_plan(recipe: Recipe, model: nn.Module | None = None, env: Mapping[str,
     kernels_off: dict[str, str] = {}
     m = recipe.model
     notes: list[str] = []
+    config = _read_config(recipe)
     if recipe.kernels.check and any(kernels.values()):
-        check = _check_kernels(recipe, kernels)
+        check = _check_kernels(recipe, config, kernels)
         kernels, kernels_off = check.kernels, check.switched_off
         notes += check.lines()
+    for verdict in _check_pipeline(recipe, config, kernels, world):  # the twin as the run trains it
+        if verdict.error:
+            raise UserError(verdict.error)
+        notes.append(verdict.line)
     wrap_classes = wrap_source = None
     if backend.fsdp_version:
         model = build_meta_model_for(recipe) if model is None else model
@@ -151,14 +160,37 @@ def build_plan(recipe: Recipe, model: nn.Module | None = None, env: Mapping[str,
     )
 
 
-def _check_kernels(recipe: Recipe, kernels: dict[str, bool]):
-    """Each requested kernel on a tiny twin of the recipe's model (liger_cli.twin.kernel_check)."""
-    from liger_cli.model import read_config, twin_adapter
-    from liger_cli.twin.kernel_check import check_kernels
+def _read_config(recipe: Recipe):
+    from liger_cli.model import read_config
 
     m = recipe.model
-    config = read_config(m.path or m.config, m.trust_remote_code)
-    return check_kernels(config, kernels, m.trust_remote_code, add_adapter=twin_adapter(recipe))
+    return read_config(m.path or m.config, m.trust_remote_code)
+
+
+def _check_kernels(recipe: Recipe, config, kernels: dict[str, bool]):
+    """Each requested kernel on a tiny twin of the recipe's model (liger_cli.twin.kernel_check)."""
+    from liger_cli.model import twin_adapter
+    from liger_cli.twin.kernel_check import check_kernels
+
+    return check_kernels(config, kernels, recipe.model.trust_remote_code, add_adapter=twin_adapter(recipe))
+
+
+def _check_pipeline(recipe: Recipe, config, kernels: dict[str, bool], world: int):
+    """Packing and accumulation on a tiny twin with the Plan's kernels (liger_cli.twin.pipeline_check)."""
+    from liger_cli.model import twin_adapter
+    from liger_cli.twin.pipeline_check import check_pipeline
+
+    m = recipe.model
+    return check_pipeline(
+        config,
+        kernels,
+        packing=recipe.data.packing,
+        grad_accum=recipe.training.grad_accum,
+        processes=world,
+        trust_remote_code=m.trust_remote_code,
+        add_adapter=twin_adapter(recipe),
+        attn_implementation=m.attn_implementation,
+    )
 
 
 def _precision(recipe: Recipe, device: str) -> str:

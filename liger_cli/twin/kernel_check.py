@@ -12,10 +12,7 @@ model's size (`python bench/kernel_check.py` measures a 70B-class config).
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -139,21 +136,6 @@ def compare_kernels(
     return wrong, crashed, report.lines()
 
 
-@contextlib.contextmanager
-def _quiet():
-    """No library warnings or notices from building and running the twin (they are not about the run)."""
-    from transformers.utils import logging
-
-    verbosity = logging.get_verbosity()
-    logging.set_verbosity_error()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        logging.set_verbosity(verbosity)
-
-
 def check_kernels(
     config,
     requested: dict[str, bool],
@@ -162,31 +144,20 @@ def check_kernels(
     attn_implementation: str | None = "eager",
 ) -> KernelCheck:
     """Build the twin of `config`, compare each requested kernel on it, and say which to switch off."""
-    from liger_cli.twin.tiny import TinyModelError, tiny_batch, tiny_causal_lm
+    from liger_cli.twin.tiny import TinyModelError, tiny_batch, twin_builder, twin_session
 
     start = time.perf_counter()
     if not any(requested.values()):
         return KernelCheck(requested, not_run="no kernel requested")
-    config = copy.deepcopy(config)
-    if hasattr(config, "output_router_logits"):
-        config.output_router_logits = True  # the router's auxiliary loss is part of what must not change
-
-    def build() -> nn.Module:
-        twin = tiny_causal_lm(
-            config, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation
-        )
-        return add_adapter(twin) if add_adapter is not None else twin
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: more threads only add synchronisation
+    # The router's auxiliary loss is part of what must not change.
+    router = {"output_router_logits": True} if hasattr(config, "output_router_logits") else {}
+    build = twin_builder(config, trust_remote_code, add_adapter, attn_implementation, **router)
     try:
-        with torch.random.fork_rng(devices=[]), _quiet():  # the run's own RNG and console stay as they were
+        with twin_session():
             batch = tiny_batch(build())
             wrong, crashed, report = compare_kernels(build, batch, requested)
     except TinyModelError as err:
         return KernelCheck(requested, not_run=f"no tiny twin: {err}", seconds=time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(threads)
     return KernelCheck(
         requested,
         switched_off={**wrong, **crashed},

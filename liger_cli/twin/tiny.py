@@ -7,7 +7,10 @@ meta device, and `tiny_batch(model)` gives a small padded batch with labels to r
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -16,7 +19,16 @@ from liger_cli.twin.shrink_rules import _POSITION_NAMES, MAX_POSITIONS, _get, _s
 
 PARAM_LIMIT = 5_000_000  # tiny_causal_lm refuses to allocate a twin larger than this
 
-__all__ = ["PARAM_LIMIT", "TinyModelError", "shrink_config", "tiny_batch", "tiny_causal_lm"]
+__all__ = [
+    "PARAM_LIMIT",
+    "TinyModelError",
+    "shrink_config",
+    "tiny_batch",
+    "tiny_causal_lm",
+    "twin_builder",
+    "twin_vocab",
+    "twin_session",
+]
 
 
 class TinyModelError(ValueError):
@@ -101,9 +113,8 @@ def tiny_causal_lm(
     return model.train()
 
 
-def tiny_batch(config_or_model, seed: int = 0, batch: int = 2, length: int = 16) -> dict[str, torch.Tensor]:
-    """input_ids (ids 3..vocab-1), attention_mask (row 1 right-padded) and labels (-100 on the prompt
-    prefix and on padding), for a config or a model."""
+def twin_vocab(config_or_model) -> tuple[int, int]:
+    """(vocabulary size a batch may draw from, padding id inside it) for a config or a model."""
     model = config_or_model if isinstance(config_or_model, torch.nn.Module) else None
     config = model.config if model is not None else config_or_model
     try:
@@ -113,14 +124,62 @@ def tiny_batch(config_or_model, seed: int = 0, batch: int = 2, length: int = 16)
     vocab = text.vocab_size
     if model is not None and model.get_input_embeddings() is not None:
         vocab = min(vocab, getattr(model.get_input_embeddings(), "num_embeddings", vocab))
+    pad = getattr(text, "pad_token_id", None)
+    return vocab, pad if isinstance(pad, int) and 0 <= pad < vocab else 0
+
+
+def tiny_batch(config_or_model, seed: int = 0, batch: int = 2, length: int = 16) -> dict[str, torch.Tensor]:
+    """input_ids (ids 3..vocab-1), attention_mask (row 1 right-padded) and labels (-100 on the prompt
+    prefix and on padding), for a config or a model."""
+    vocab, pad = twin_vocab(config_or_model)
     g = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(3, vocab, (batch, length), generator=g)
     attention_mask = torch.ones(batch, length, dtype=torch.long)
     if batch > 1:
         attention_mask[1, length - length // 4 :] = 0
-    pad = getattr(text, "pad_token_id", None)
-    pad = pad if isinstance(pad, int) and 0 <= pad < vocab else 0
     input_ids = input_ids.masked_fill(attention_mask == 0, pad)
     labels = input_ids.masked_fill(attention_mask == 0, -100)
     labels[:, : length // 4] = -100
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+# --- what every twin check shares -------------------------------------------------------------------------
+def twin_builder(
+    config,
+    trust_remote_code: bool = False,
+    add_adapter: Callable | None = None,
+    attn_implementation: str | None = "eager",
+    **overrides,
+) -> Callable[[], torch.nn.Module]:
+    """A function that builds the same twin of `config` (same seeded weights) every call, with the
+    adapter when given: a fresh build rather than a deep copy, since some models cannot be deep-copied.
+    `overrides` are set on a copy of the config first (e.g. output_router_logits=True)."""
+    config = copy.deepcopy(config)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+
+    def build() -> torch.nn.Module:
+        twin = tiny_causal_lm(
+            config, trust_remote_code=trust_remote_code, attn_implementation=attn_implementation
+        )
+        return add_adapter(twin) if add_adapter is not None else twin
+
+    return build
+
+
+@contextlib.contextmanager
+def twin_session():
+    """Where a twin check runs: one thread (tiny tensors: more only add synchronisation), the run's own
+    RNG kept as it was, and no library warnings or notices (they are not about the run)."""
+    from transformers.utils import logging
+
+    threads, verbosity = torch.get_num_threads(), logging.get_verbosity()
+    torch.set_num_threads(1)
+    logging.set_verbosity_error()
+    try:
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.set_verbosity(verbosity)
+        torch.set_num_threads(threads)
