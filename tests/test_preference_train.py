@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from liger_cli.model.objectives.preference import Preference, reference_mode, sequence_logprobs
 from liger_cli.recipe.schema import PreferenceSection
-from liger_cli.run.objectives.preference import Preference, reference_mode, sequence_logprobs
 
 OPTIONS = {
     "dpo": PreferenceSection(beta=0.2),
@@ -239,3 +239,60 @@ def test_dry_run_plans_two_sequences_per_pair(tmp_path):
     sft_plan = json.loads(dry_run(load_recipe(sft, []), as_json=True))["memory"]["components"]
     assert pairs_plan["activations"] == pytest.approx(2 * sft_plan["activations"], rel=0.01)
     assert pairs_plan["parameters"] == sft_plan["parameters"]
+
+
+# --- the twin's checks with a preference objective ----------------------------------------------------------
+def _twin_adapter():
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=2, lora_alpha=4, target_modules="all-linear", init_lora_weights=False)
+    return lambda model: get_peft_model(model, config)
+
+
+def test_the_kernel_check_compares_the_preference_loss_and_catches_a_wrong_fused_logprob(monkeypatch):
+    from transformers import AutoConfig
+
+    from liger_cli.twin.kernel_check import check_kernels
+
+    kernels = {"fused_linear_cross_entropy": True}
+    config = AutoConfig.for_model("llama")
+    objective = Preference("dpo", OPTIONS["dpo"])
+    good = check_kernels(config, kernels, add_adapter=_twin_adapter(), objective=objective)
+    assert good.lines() == [
+        "kernel check: one step on a tiny twin (the dpo loss on pairs), patched vs unpatched: "
+        "loss and every gradient agree"
+    ]
+    fused_module = sys.modules["liger_kernels.fused_linear_logprob"]
+    real = fused_module.fused_linear_logprob
+
+    def off_by_a_little(*args, **kwargs):  # what only the preference path computes, 0.1% off
+        logp, count = real(*args, **kwargs)
+        return logp * 1.001, count
+
+    monkeypatch.setattr(fused_module, "fused_linear_logprob", off_by_a_little)
+    bad = check_kernels(config, kernels, add_adapter=_twin_adapter(), objective=objective)
+    assert "fused_linear_cross_entropy" in bad.switched_off, bad.lines()
+    assert not bad.kernels["fused_linear_cross_entropy"]
+
+
+def test_the_accumulation_check_proves_the_pair_loss_and_catches_a_mean_per_micro_batch(monkeypatch):
+    from transformers import AutoConfig
+
+    from liger_cli.twin.pipeline_check import check_pipeline
+
+    config = AutoConfig.for_model("llama")
+    objective = Preference("orpo", OPTIONS["orpo"])
+    run = dict(packing=False, grad_accum=2, add_adapter=_twin_adapter(), objective=objective)
+    _, good = check_pipeline(config, {}, **run)
+    assert good.error is None and good.line.endswith(
+        "(padding, orpo loss on pairs): loss and every gradient agree"
+    )
+    real = Preference.loss
+
+    def mean_per_micro_batch(self, model, batch, num_items):
+        loss, stats = real(self, model, batch, num_items)
+        return loss * num_items / self.units(batch), stats  # each micro-batch's own mean
+
+    monkeypatch.setattr(Preference, "loss", mean_per_micro_batch)
+    _, bad = check_pipeline(config, {}, **run)
+    assert bad.error and "the mean over its pairs" in bad.error

@@ -134,7 +134,7 @@ if where == "mid-save":  # weights and optimizer written, RNG and trainer state 
         real_save_rng(folder, rank)
     checkpoint.save_rng = save_rng
 elif where == "mid-step":  # the `at`-th micro-batch of this process: between forward/backward passes
-    from liger_cli.run.objectives.causal_lm import CausalLM
+    from liger_cli.model.objectives.causal_lm import CausalLM
     real_loss, calls = CausalLM.loss, []
     def loss(*args):
         calls.append(1)

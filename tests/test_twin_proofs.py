@@ -183,11 +183,11 @@ def mean_over_accumulation(model, batch, num_items):
 
 @pytest.mark.parametrize("wrong", [mean_per_micro_batch, mean_over_accumulation])
 def test_a_wrong_loss_normalisation_is_caught(monkeypatch, wrong) -> None:
-    import liger_cli.model.loss
-    from liger_cli.run.objectives import CausalLM
+    import liger_cli.model.objectives.causal_lm as rule
+    from liger_cli.model.objectives import CausalLM
 
     config = AutoConfig.for_model("llama")
-    monkeypatch.setattr(liger_cli.model.loss, "causal_lm_loss", wrong)
+    monkeypatch.setattr(rule, "causal_lm_loss", wrong)
     _, accumulation = check_pipeline(config, ALL_ON, packing=False, grad_accum=2)
     assert accumulation.error and accumulation.error.startswith(
         "training.grad_accum: 2 on 1 process(es) would change what LlamaForCausalLM learns"

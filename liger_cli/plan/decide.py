@@ -170,14 +170,19 @@ def _read_config(recipe: Recipe):
 def _check_kernels(recipe: Recipe, config, kernels: dict[str, bool]):
     """Each requested kernel on a tiny twin of the recipe's model (liger_cli.twin.kernel_check)."""
     from liger_cli.model import twin_adapter
+    from liger_cli.model.objectives import objective_for
     from liger_cli.twin.kernel_check import check_kernels
 
-    return check_kernels(config, kernels, recipe.model.trust_remote_code, add_adapter=twin_adapter(recipe))
+    m = recipe.model
+    return check_kernels(
+        config, kernels, m.trust_remote_code, twin_adapter(recipe), objective=objective_for(recipe)
+    )
 
 
 def _check_pipeline(recipe: Recipe, config, kernels: dict[str, bool], world: int):
     """Packing and accumulation on a tiny twin with the Plan's kernels (liger_cli.twin.pipeline_check)."""
     from liger_cli.model import twin_adapter
+    from liger_cli.model.objectives import objective_for
     from liger_cli.twin.pipeline_check import check_pipeline
 
     m = recipe.model
@@ -190,6 +195,7 @@ def _check_pipeline(recipe: Recipe, config, kernels: dict[str, bool], world: int
         trust_remote_code=m.trust_remote_code,
         add_adapter=twin_adapter(recipe),
         attn_implementation=m.attn_implementation,
+        objective=objective_for(recipe),
     )
 
 

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from liger_cli.run.objectives import Objective
+from liger_cli.model.objectives import Objective
 
 
 @torch.no_grad()

@@ -27,6 +27,7 @@ from liger_cli.data.batches import StepBatches, total_steps
 from liger_cli.data.tokenizer import load_tokenizer
 from liger_cli.errors import RunFailed, UserError
 from liger_cli.model import build_model, count_parameters
+from liger_cli.model.objectives import objective_for
 from liger_cli.plan import Applied, Plan, render_with
 from liger_cli.recipe import Recipe
 from liger_cli.run import checkpoint, output_dir
@@ -35,7 +36,6 @@ from liger_cli.run.checkpoint import save_final
 from liger_cli.run.evaluate import evaluate
 from liger_cli.run.fingerprint import check_same_run, fingerprint
 from liger_cli.run.metrics import MemoryWatch, MetricsLog, peak_memory_mb
-from liger_cli.run.objectives import objective_for
 from liger_cli.run.output_dir import OutputDecision, claim_output
 
 FINAL_METRICS = "final_metrics.json"

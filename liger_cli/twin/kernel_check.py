@@ -36,6 +36,8 @@ class KernelCheck:
     twin_report: tuple[str, ...] = ()
     not_run: str | None = None
     seconds: float = 0.0
+    loss: str = ""
+    """Which loss the step took when it was not the model's own (a preference objective's)."""
 
     @property
     def kernels(self) -> dict[str, bool]:
@@ -45,7 +47,8 @@ class KernelCheck:
     def lines(self) -> list[str]:
         if self.not_run:
             return [f"kernel check: not run ({self.not_run})"]
-        head = "kernel check: one step on a tiny twin, patched vs unpatched: "  # no timing: the Plan is reproducible
+        on = f" ({self.loss})" if self.loss else ""
+        head = f"kernel check: one step on a tiny twin{on}, patched vs unpatched: "  # no timing: reproducible
         if not self.switched_off:
             return [head + "loss and every gradient agree"]
         return [head + "switched off " + ", ".join(self.switched_off)] + [
@@ -61,12 +64,13 @@ class Step:
     grads: dict[str, torch.Tensor]
 
 
-def train_step(model: nn.Module, batch: dict, seed: int = 0) -> Step:
-    """One forward and backward in train mode; the RNG is seeded so dropout draws the same masks."""
+def train_step(model: nn.Module, batch: dict, seed: int = 0, loss_of: Callable | None = None) -> Step:
+    """One forward and backward in train mode; the RNG is seeded so dropout draws the same masks.
+    The loss is the model's own on `batch`, or `loss_of(model)` (an objective's, on its own batch)."""
     model.train()
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
-    loss = model(**batch).loss
+    loss = model(**batch).loss if loss_of is None else loss_of(model)
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     return Step(loss.detach(), grads)
@@ -89,7 +93,7 @@ def disagreement(patched: Step, reference: Step) -> str | None:
 
 
 def compare_kernels(
-    build: Callable[[], nn.Module], batch: dict, requested: dict[str, bool]
+    build: Callable[[], nn.Module], batch: dict, requested: dict[str, bool], loss_of: Callable | None = None
 ) -> tuple[dict[str, str], dict[str, str], list[str]]:
     """Patch fresh builds of the same model kernel by kernel, then all together, and compare one step.
 
@@ -106,7 +110,7 @@ def compare_kernels(
             parameter.requires_grad_(True)
         return model
 
-    reference = train_step(fresh(), batch)
+    reference = train_step(fresh(), batch, loss_of=loss_of)
     wrong: dict[str, str] = {}
     crashed: dict[str, str] = {}
     for kernel in [k for k in KERNELS if requested.get(k)]:
@@ -115,7 +119,7 @@ def compare_kernels(
             report = patch_model(model, **{k: k == kernel for k in KERNELS})
             if kernel not in report.patched:
                 continue  # left alone by patch_model, with its reason in the report
-            why = disagreement(train_step(model, batch), reference)
+            why = disagreement(train_step(model, batch, loss_of=loss_of), reference)
         except Exception as err:  # a kernel that crashes the model is off, never a crash of the run
             crashed[kernel] = (
                 f"{type(err).__name__}: {str(err).strip().splitlines()[0][:160] if str(err) else ''}"
@@ -128,7 +132,7 @@ def compare_kernels(
     report = patch_model(model, **together)
     if sum(k in report.patched for k in KERNELS) > 1:
         try:
-            why = disagreement(train_step(model, batch), reference)
+            why = disagreement(train_step(model, batch, loss_of=loss_of), reference)
         except Exception as err:
             why = f"{type(err).__name__}: {str(err).strip()[:160]}"
         if why:
@@ -142,9 +146,20 @@ def check_kernels(
     trust_remote_code: bool = False,
     add_adapter: Callable[[nn.Module], nn.Module] | None = None,
     attn_implementation: str | None = "eager",
+    objective=None,
 ) -> KernelCheck:
-    """Build the twin of `config`, compare each requested kernel on it, and say which to switch off."""
-    from liger_cli.twin.tiny import TinyModelError, tiny_batch, twin_builder, twin_session
+    """Build the twin of `config`, compare each requested kernel on it, and say which to switch off.
+
+    With a preference objective the step's loss is that objective's, on preference pairs: its fused
+    per-sequence log-probabilities (and the reference pass) are what the kernels must not change."""
+    from liger_cli.twin.tiny import (
+        TinyModelError,
+        tiny_batch,
+        tiny_pairs,
+        twin_builder,
+        twin_session,
+        twin_vocab,
+    )
 
     start = time.perf_counter()
     if not any(requested.values()):
@@ -155,7 +170,11 @@ def check_kernels(
     try:
         with twin_session():
             batch = tiny_batch(build())
-            wrong, crashed, report = compare_kernels(build, batch, requested)
+            loss_of = None
+            if getattr(objective, "unit", None) == "pair":
+                pairs = objective.collate(tiny_pairs(build()), twin_vocab(build())[1])
+                loss_of = lambda model: objective.loss(model, pairs, objective.units(pairs))[0]  # noqa: E731
+            wrong, crashed, report = compare_kernels(build, batch, requested, loss_of)
     except TinyModelError as err:
         return KernelCheck(requested, not_run=f"no tiny twin: {err}", seconds=time.perf_counter() - start)
     return KernelCheck(
@@ -163,4 +182,5 @@ def check_kernels(
         switched_off={**wrong, **crashed},
         twin_report=tuple(report),
         seconds=time.perf_counter() - start,
+        loss=f"the {objective.objective} loss on pairs" if loss_of is not None else "",
     )

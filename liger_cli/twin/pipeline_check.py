@@ -2,7 +2,7 @@
 
 The kernel check's twin (same class, flags and code, remote code included; the recipe's adapter with
 random weights; the kernels the Plan patches) is fed through the data stage's own `pack_examples` and
-`collate`, and its loss is computed by the run's own rule (`liger_cli.model.loss`):
+`collate`, and its loss is computed by the run's own rule (`liger_cli.model.objectives`):
 
 - **packing check** (when `data.packing` is on): examples of uneven lengths packed into rows whose
   `position_ids` restart at each example (no attention mask, padding as the collator pads) against
@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from liger_cli.data.encode import IGNORE_INDEX, collate, pack_examples
-from liger_cli.model import loss as rule
+from liger_cli.model.objectives import causal_lm as rule
 from liger_cli.twin.kernel_check import LOSS_RTOL, Step, disagreement
 
 RUNNABLE_ATTENTION = (None, "eager", "sdpa")  # what the CPU twin can run
@@ -60,8 +60,10 @@ def check_pipeline(
     trust_remote_code: bool = False,
     add_adapter: Callable[[nn.Module], nn.Module] | None = None,
     attn_implementation: str | None = None,
+    objective=None,
 ) -> tuple[Verdict, Verdict]:
-    """(packing verdict, accumulation verdict) for the recipe's model, kernels and attention."""
+    """(packing verdict, accumulation verdict) for the recipe's model, kernels and attention; the
+    accumulation check takes the objective's own batches and loss (the causal-LM one by default)."""
     from liger_cli.twin.tiny import TinyModelError, twin_builder, twin_session
 
     start = time.perf_counter()
@@ -77,7 +79,9 @@ def check_pipeline(
             model = build(attn_implementation)
             name, attn = _class_name(model), model.config._attn_implementation
             packed = _packing_verdict(model, build, name, attn) if packing else _not_run(False, "")
-            accumulated = _accumulation_verdict(model, name, grad_accum, processes)
+            accumulated = _accumulation_verdict(
+                model, name, grad_accum, processes, objective or rule.CausalLM()
+            )
         except TinyModelError as err:
             why = f"no tiny twin: {err}"
             return _not_run(packing, why), Verdict(f"accumulation check: not run ({why})")
@@ -143,10 +147,15 @@ def packing_disagreement(model: nn.Module) -> str | None:
 
 
 # --- accumulation --------------------------------------------------------------------------------------------
-def _accumulation_verdict(model: nn.Module, name: str, grad_accum: int, processes: int) -> Verdict:
-    why = accumulation_disagreement(model)
+def _accumulation_verdict(model: nn.Module, name: str, grad_accum: int, processes: int, objective) -> Verdict:
+    why = accumulation_disagreement(model, objective)
     if why is None:
-        return Verdict(f"{ACCUMULATION_HEAD} (padding, uneven label counts): loss and every gradient agree")
+        what = (
+            "uneven label counts"
+            if objective.unit == "label token"
+            else f"{objective.objective} loss on pairs"
+        )
+        return Verdict(f"{ACCUMULATION_HEAD} (padding, {what}): loss and every gradient agree")
     if grad_accum == 1 and processes == 1:
         return Verdict(
             f"{ACCUMULATION_HEAD}: {why}; not used by this run (one micro-batch per step, one process)"
@@ -155,24 +164,27 @@ def _accumulation_verdict(model: nn.Module, name: str, grad_accum: int, processe
         f"{ACCUMULATION_HEAD}: {why}",
         error=f"training.grad_accum: {grad_accum} on {processes} process(es) would change what {name} "
         f"learns: on a tiny twin, micro-batch 4 x accumulation 1 and micro-batch 1 x accumulation 4 "
-        f"disagree ({why}), so the step's loss is not the mean over its label tokens (the loss does not "
+        f"disagree ({why}), so the step's loss is not the mean over its {objective.unit}s (the loss does not "
         "divide by num_items_in_batch, or adds a term per micro-batch such as a router loss); set "
         "training.grad_accum: 1 and distributed.num_processes: 1 with a larger training.micro_batch_size",
     )
 
 
-def accumulation_disagreement(model: nn.Module) -> str | None:
-    """Why one micro-batch of 4 and four micro-batches of 1 differ (the units, the loss, a gradient)."""
-    from liger_cli.twin.tiny import twin_vocab
+def accumulation_disagreement(model: nn.Module, objective=None) -> str | None:
+    """Why one micro-batch of 4 and four micro-batches of 1 differ (the units, the loss, a gradient),
+    by the objective's own collation, unit count and loss."""
+    from liger_cli.twin.tiny import tiny_pairs, twin_vocab
 
+    objective = objective or rule.CausalLM()
     vocab, pad = twin_vocab(model)
-    examples = _examples(ACCUMULATION_EXAMPLES, vocab)
-    whole, micro = collate(examples, pad), [collate([e], pad) for e in examples]
-    num_items = rule.label_units(whole)
-    if int(num_items) != int(sum(rule.label_units(b) for b in micro)):
-        return "the label tokens counted differ between one micro-batch of 4 and four of 1"
-    one, _ = _accumulate(model, [whole], num_items)
-    four, _ = _accumulate(model, micro, num_items)
+    pairs = objective.unit == "pair"
+    examples = tiny_pairs(model) if pairs else _examples(ACCUMULATION_EXAMPLES, vocab)
+    whole, micro = objective.collate(examples, pad), [objective.collate([e], pad) for e in examples]
+    num_items = objective.units(whole)
+    if int(num_items) != int(sum(objective.units(b) for b in micro)):
+        return f"the {objective.unit}s counted differ between one micro-batch of 4 and four of 1"
+    one, _ = _accumulate(model, [whole], num_items, objective)
+    four, _ = _accumulate(model, micro, num_items, objective)
     return disagreement(four, one)
 
 
@@ -214,13 +226,19 @@ def _summed(model: nn.Module, batch: dict) -> torch.Tensor:
     return rule.causal_lm_loss(model, batch, units) * units
 
 
-def _accumulate(model: nn.Module, batches: list[dict], num_items=None) -> tuple[Step, list[torch.Tensor]]:
+def _accumulate(
+    model: nn.Module, batches: list[dict], num_items=None, objective=None
+) -> tuple[Step, list[torch.Tensor]]:
     """Forward and backward of each batch, gradients accumulated: (the step, each batch's loss).
-    Each loss is the run's (divided by `num_items`), or with None its sum (`_summed`)."""
+    Each loss is the objective's (divided by `num_items`), or with None the causal-LM sum (`_summed`)."""
     model.zero_grad(set_to_none=True)
     losses = []
     for batch in batches:
-        loss = _summed(model, batch) if num_items is None else rule.causal_lm_loss(model, batch, num_items)
+        loss = (
+            _summed(model, batch)
+            if num_items is None
+            else (objective or rule.CausalLM()).loss(model, batch, num_items)[0]
+        )
         loss.backward()
         losses.append(loss.detach())
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -143,6 +143,25 @@ def tiny_batch(config_or_model, seed: int = 0, batch: int = 2, length: int = 16)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
+def tiny_pairs(
+    config_or_model, seed: int = 0, spec=((4, 5, 2), (2, 1, 6), (6, 3, 3), (1, 2, 1))
+) -> list[dict]:
+    """Preference pairs as the data stage makes them (one shared prompt, two answers, prompt labels -100):
+    each (prompt, chosen, rejected) length in `spec`, uneven so that padding and counts differ."""
+    vocab, _ = twin_vocab(config_or_model)
+    g = torch.Generator().manual_seed(seed)
+    pairs = []
+    for prompt_len, *answer_lens in spec:
+        prompt = torch.randint(3, vocab, (prompt_len,), generator=g).tolist()
+        pair = {}
+        for side, n in zip(("chosen", "rejected"), answer_lens, strict=True):
+            answer = torch.randint(3, vocab, (n,), generator=g).tolist()
+            pair[f"{side}_input_ids"] = prompt + answer
+            pair[f"{side}_labels"] = [-100] * prompt_len + answer
+        pairs.append(pair)
+    return pairs
+
+
 # --- what every twin check shares -------------------------------------------------------------------------
 def twin_builder(
     config,

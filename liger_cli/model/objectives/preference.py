@@ -29,6 +29,8 @@ NEEDS_REFERENCE = ("dpo",)
 
 
 class Preference:
+    unit = "pair"
+
     def __init__(self, objective: str, options):
         self.objective = objective
         self.options = options

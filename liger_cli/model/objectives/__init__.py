@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-from liger_cli.run.objectives.causal_lm import CausalLM
-from liger_cli.run.objectives.preference import Preference
+from liger_cli.model.objectives.causal_lm import CausalLM
+from liger_cli.model.objectives.preference import Preference
 
 if TYPE_CHECKING:
     import torch
