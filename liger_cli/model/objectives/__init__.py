@@ -5,9 +5,10 @@ An objective makes a batch from examples (`collate`), counts the units its loss 
 units divided by the step's global count of units (`loss`), so neither gradient accumulation nor
 the number of processes changes the math. Beside the loss it may return its own metrics, summed
 over the same units and divided the same way (`stats`); the loop sums them over micro-batches and
-ranks, which gives their means, and logs them. `fit` and
-`evaluate` call nothing else (and `start_note` once, after a fresh run's first step), so a new
-objective is a new file here and one line in `objective_for`.
+ranks, which gives their means, and logs them. `fit` and `evaluate` call nothing else (and
+`start_note` once, after a fresh run's first step), so a new objective is a new file here and one
+line in `objective_for`. The objectives sit in the model stage so that the twin's checks (kernels,
+accumulation) run the very loss the run trains with.
 """
 
 from __future__ import annotations
