@@ -21,6 +21,7 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
+from test_preference_train import write_pairs
 
 REPO = Path(__file__).resolve().parents[1]
 DRIVER = REPO / "tests" / "dist_driver.py"
@@ -58,7 +59,15 @@ def assets(tmp_path_factory) -> dict[str, Path]:
         "data": data,
         "model": save_tiny_model(root / "llama"),
         "tied": save_tiny_model(root / "llama-tied", tie_word_embeddings=True),
+        "pairs": write_pairs(root / "pairs.jsonl", n=40),
     }
+
+
+def dpo(assets: dict) -> dict:
+    """The overrides that make a recipe a DPO run on preference pairs (LoRA: the reference is the
+    adapter disabled, a second forward in every micro-batch)."""
+    return {"data__train": str(assets["pairs"]), "data__format": "preference", "data__max_seq_len": 24,
+            "training__objective": "dpo"}  # fmt: skip
 
 
 def write_recipe(
@@ -113,11 +122,12 @@ def references(assets) -> dict[str, Path]:
     """1-process runs of the same recipes: LoRA, full fine-tuning, and full on the tied model."""
     root = assets["root"] / "ref"
     root.mkdir()
-    outs = {name: root / name for name in ("lora", "full", "tied")}
+    outs = {name: root / name for name in ("lora", "full", "tied", "dpo")}
     cases = [
         write_recipe(assets, outs["lora"]),
         write_recipe(assets, outs["full"], adapter="none"),
         write_recipe(assets, outs["tied"], adapter="none", model="tied"),
+        write_recipe(assets, outs["dpo"], **dpo(assets)),
     ]
     run_driver({"cases": [{"recipe": str(c)} for c in cases]}, root, nproc=1)
     return outs
@@ -162,6 +172,8 @@ def test_two_processes_train_the_one_process_model(backend: str, assets, referen
         cases.append(
             {"recipe": str(write_recipe(assets, outs[name], backend, adapter, ac, **save)), "env": env}
         )
+    outs["dpo"] = tmp_path / "dpo"  # preference pairs: the loss per pair, the reference pass, all ranks
+    cases.append({"recipe": str(write_recipe(assets, outs["dpo"], backend, **dpo(assets)))})
     # Resume the LoRA case's step-2 checkpoint under the same backend and process count.
     resumed = tmp_path / "resumed"
     resume = {"output__resume": str(outs["lora"] / "checkpoints" / "step-2")}
@@ -175,7 +187,7 @@ def test_two_processes_train_the_one_process_model(backend: str, assets, referen
     proc = run_driver(spec, tmp_path, nproc=2)
 
     for name, out in outs.items():
-        ref = references["tied" if name == "tied" else "full" if name.startswith("full") else "lora"]
+        ref = references[name if name in ("tied", "dpo") else "full" if name.startswith("full") else "lora"]
         assert_same_run(out, ref)
         plan = (out / "plan.txt").read_text()
         assert f"({backend})" in plan and "2 on 1 machine(s)" in plan

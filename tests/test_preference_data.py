@@ -28,7 +28,7 @@ def write(tmp_path: Path, rows: list[dict], **data) -> Path:
             {
                 "model": {"path": str(MODEL)},
                 "data": settings,
-                "training": {"max_steps": 1},
+                "training": {"max_steps": 1, "objective": "dpo"},
                 "output": {"dir": "out"},
             }
         )
