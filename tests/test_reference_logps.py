@@ -262,3 +262,11 @@ def test_the_loss_reads_each_pairs_row_and_the_row_never_reaches_the_model(tiny_
     objective.reference = objective.reference + 1.0  # another reference: every reward moves by -beta
     _, moved = objective.loss(model, shuffled, torch.tensor(3))
     assert moved["rewards/chosen"].item() == pytest.approx(-0.2, abs=1e-5)
+
+
+def test_every_rank_gets_as_many_micro_batches_and_a_batch_the_same_pairs_at_any_world_size() -> None:
+    from liger_cli.data.batches import even_shares
+
+    assert even_shares(5, 2, 1, 0) == [(range(0, 2), True), (range(2, 4), True), (range(4, 5), True)]
+    assert even_shares(5, 2, 2, 0) == [(range(0, 2), True), (range(4, 5), True)]
+    assert even_shares(5, 2, 2, 1) == [(range(2, 4), True), (range(0, 2), False)]  # a padding forward

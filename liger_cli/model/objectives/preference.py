@@ -112,7 +112,8 @@ class Preference:
         return rows[:, 0], rows[:, 1]
 
     def start_note(self, first: dict[str, float]) -> str | None:
-        """DPO starts from policy == reference (the adapter's B is zero): every reward 0 and, for the
+        """DPO starts from policy == reference (the adapter's B is zero; without an adapter the
+        reference is the untrained model itself): every reward 0 and, for the
         sigmoid and robust losses, the loss ln 2. Said either way, so a wrong start is never silent."""
         if self.objective != "dpo":
             return None
