@@ -79,7 +79,9 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
     """Train as the recipe says. Returns the final metrics.
 
     Nothing on disk changes until every check has passed (recipe, paths, tokenizer, data rows, model
-    config, resume compatibility): only then is the output folder claimed (`claim_output`).
+    config, resume compatibility): only then is the output folder claimed (`claim_output`). One
+    check comes later: a resume's stored reference log-probs (`reference.py`) are read, and refused
+    when they do not fit, once the objective's `prepare` asks for them, after the model is prepared.
     """
     backend = backend_for(recipe, plan)
     accelerator = backend.make_accelerator()
