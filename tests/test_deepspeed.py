@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from test_distributed import (  # noqa: F401 - `assets` is a fixture
     assert_same_run,
     assets,
+    dpo_full,
     free_port,
     liger_train,
     losses,
@@ -41,11 +42,15 @@ CASES = {  # name -> (adapter type, activation checkpointing, ZeRO stage); each 
 def runs(assets, tmp_path_factory) -> dict[str, Path]:  # noqa: F811 - the imported fixture
     """1-process references, then ONE 2-process DeepSpeed launch: the CASES, then the loading check."""
     root = tmp_path_factory.mktemp("deepspeed")
-    outs = {name: root / name for name in ("ref-lora", "ref-full", "one-process", *CASES)}
+    outs = {
+        name: root / name
+        for name in ("ref-lora", "ref-full", "one-process", "ref-dpo-full", "dpo-full", *CASES)
+    }
     refs = [write_recipe(assets, outs["ref-lora"]), write_recipe(assets, outs["ref-full"], adapter="none")]
     # backend deepspeed with ONE process on a CPU: no engine, a plain run that must equal the reference.
     refs.append(write_recipe(assets, outs["one-process"], "deepspeed", adapter="none", training__grad_accum=4,
                              distributed__num_processes=1))  # fmt: skip
+    refs.append(write_recipe(assets, outs["ref-dpo-full"], **dpo_full(assets)))
     proc = run_driver({"cases": [{"recipe": str(r)} for r in refs]}, root, nproc=1)
     (root / "driver-1.stdout").write_text(proc.stdout)
 
@@ -54,6 +59,8 @@ def runs(assets, tmp_path_factory) -> dict[str, Path]:  # noqa: F811 - the impor
         for name, (adapter, ac, stage) in CASES.items()
     }
     recipes["lora"] = write_recipe(assets, outs["lora"], "deepspeed", output__save_every=2)  # resumed below
+    # DPO without an adapter: both ranks compute the reference log-probs through ZeRO-3's collective forwards.
+    recipes["dpo-full"] = write_recipe(assets, outs["dpo-full"], "deepspeed", **dpo_full(assets))
     # DeepSpeed would compile a CPU communication op here on first use (~95 s): it must not build anything.
     cases = [
         {"recipe": str(r), "env": {"TORCH_EXTENSIONS_DIR": str(root / "torch_extensions")}}
@@ -102,16 +109,30 @@ def test_deepspeed_trains_the_one_process_model(name: str, runs) -> None:
     stdout = (runs["root"] / "driver.stdout").read_text()
     assert not (runs["root"] / "torch_extensions").exists() and "built successfully" not in stdout
     sharding = [line for line in stdout.splitlines() if line.startswith("sharding:")]
-    assert len(sharding) == len(CASES)
+    assert len(sharding) == len(CASES) + 1  # and dpo-full
     lm_head_numel = json.loads((out / "checks.json").read_text())["lm_head_numel"]
     if stage == 3:
         # lm_head.weight is partitioned away outside a forward: the fused loss really needed the gather.
         assert lm_head_numel == 0
         assert "fused loss: lm_head.weight registered with ZeRO-3" in stdout
-        zero3_cases = sum(case[2] == 3 for case in CASES.values())
+        zero3_cases = sum(case[2] == 3 for case in CASES.values()) + 1  # and dpo-full
         assert sum("ZeRO-3" in s and "(1/2)" in s for s in sharding) == zero3_cases, sharding
     else:
         assert lm_head_numel > 0 and any("ZeRO-2: parameters replicated" in s for s in sharding), sharding
+
+
+@pytest.mark.timeout(360)
+def test_zero3_precomputes_the_dpo_reference_of_the_one_process_run(runs) -> None:
+    """Full fine-tuning DPO: the reference log-probs computed by both ranks (every rank the same number
+    of ZeRO-3 forwards) equal one process's, and so does the training that reads them."""
+    out, ref = runs["dpo-full"], runs["ref-dpo-full"]
+    assert_same_run(out, ref)
+    got, want = (load_file(p / "reference_logps.safetensors") for p in (out, ref))
+    assert got.keys() == want.keys() == {"train", "eval"}
+    for split in got:  # 17 and 3 micro-batches over 2 ranks: the second pads its last share
+        torch.testing.assert_close(got[split], want[split], atol=1e-5, rtol=1e-6, msg=split)
+    stdout = (runs["root"] / "driver.stdout").read_text()
+    assert "under deepspeed; stored in" in stdout and "start check: step 1 has policy == reference" in stdout
 
 
 @pytest.mark.timeout(360)

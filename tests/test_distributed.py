@@ -70,6 +70,12 @@ def dpo(assets: dict) -> dict:
             "training__objective": "dpo"}  # fmt: skip
 
 
+def dpo_full(assets: dict) -> dict:
+    """DPO with full fine-tuning: the reference log-probs precomputed before step 1. An eval split of 6
+    pairs (3 micro-batches of 2) and 34 train pairs (17): the second rank pads its share of each."""
+    return {**dpo(assets), "adapter__type": "none", "data__eval_fraction": 0.15}
+
+
 def write_recipe(
     assets: dict, out: Path, backend: str = "none", adapter: str = "lora", ac: str = "off", **over
 ) -> Path:
@@ -122,12 +128,13 @@ def references(assets) -> dict[str, Path]:
     """1-process runs of the same recipes: LoRA, full fine-tuning, and full on the tied model."""
     root = assets["root"] / "ref"
     root.mkdir()
-    outs = {name: root / name for name in ("lora", "full", "tied", "dpo")}
+    outs = {name: root / name for name in ("lora", "full", "tied", "dpo", "dpo-full")}
     cases = [
         write_recipe(assets, outs["lora"]),
         write_recipe(assets, outs["full"], adapter="none"),
         write_recipe(assets, outs["tied"], adapter="none", model="tied"),
         write_recipe(assets, outs["dpo"], **dpo(assets)),
+        write_recipe(assets, outs["dpo-full"], **dpo_full(assets)),
     ]
     run_driver({"cases": [{"recipe": str(c)} for c in cases]}, root, nproc=1)
     return outs
@@ -174,6 +181,8 @@ def test_two_processes_train_the_one_process_model(backend: str, assets, referen
         )
     outs["dpo"] = tmp_path / "dpo"  # preference pairs: the loss per pair, the reference pass, all ranks
     cases.append({"recipe": str(write_recipe(assets, outs["dpo"], backend, **dpo(assets)))})
+    outs["dpo-full"] = tmp_path / "dpo-full"  # no adapter: the reference log-probs precomputed by both ranks
+    cases.append({"recipe": str(write_recipe(assets, outs["dpo-full"], backend, **dpo_full(assets)))})
     # Resume the LoRA case's step-2 checkpoint under the same backend and process count.
     resumed = tmp_path / "resumed"
     resume = {"output__resume": str(outs["lora"] / "checkpoints" / "step-2")}
@@ -187,13 +196,22 @@ def test_two_processes_train_the_one_process_model(backend: str, assets, referen
     proc = run_driver(spec, tmp_path, nproc=2)
 
     for name, out in outs.items():
-        ref = references[name if name in ("tied", "dpo") else "full" if name.startswith("full") else "lora"]
+        ref = references[name if name in references else "full" if name.startswith("full") else "lora"]
         assert_same_run(out, ref)
         plan = (out / "plan.txt").read_text()
         assert f"({backend})" in plan and "2 on 1 machine(s)" in plan
         assert "fused_linear_cross_entropy: patched" in plan  # kernels on, FLCE inside the forward
         if CASES.get(name, ("", "off"))[1] == "auto":
             assert "activation ckpt     reentrant" in plan or "activation ckpt     non_reentrant" in plan
+    got, want = (
+        load_file(p / "reference_logps.safetensors") for p in (outs["dpo-full"], references["dpo-full"])
+    )
+    assert got.keys() == want.keys() == {"train", "eval"}  # both ranks' rows in the table rank 0 stored
+    assert got["train"].shape == (34, 2) and got["eval"].shape == (6, 2)
+    for split in got:
+        torch.testing.assert_close(got[split], want[split], atol=1e-5, rtol=1e-6, msg=split)
+    computed = [line for line in proc.stdout.splitlines() if line.startswith("reference log-probs: computed")]
+    assert len(computed) == 1 and f"under {backend}" in computed[0], computed
     assert losses(resumed) == pytest.approx(losses(outs["lora"])[2:], abs=1e-5, rel=0)
     got, want = (load_file(p / "final" / "adapter_model.safetensors") for p in (resumed, outs["lora"]))
     for key in want:

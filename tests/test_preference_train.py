@@ -210,11 +210,18 @@ def test_reference_free_objectives_train_and_need_no_reference(tmp_path, tiny_mo
     assert (out / "final" / "model.safetensors").is_file()
 
 
-def test_dpo_without_an_adapter_is_refused_before_anything_runs(tmp_path, tiny_model_dir):
+def test_dpo_without_an_adapter_trains_against_precomputed_reference_logprobs(tmp_path, tiny_model_dir):
+    """Full fine-tuning has no adapter to disable: the reference is a table computed before step 1
+    (tests/test_reference_logps.py proves its values, its storage and resume)."""
     proc, out = train(tmp_path, tiny_model_dir, "dpo", "--set", "adapter.type=none")
-    assert proc.returncode == 2
-    assert "needs a frozen reference model" in proc.stderr and "Traceback" not in proc.stderr
-    assert not out.exists()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "reference log-probs: computed for 36 train / 12 eval pairs" in proc.stdout
+    assert "start check: step 1 has policy == reference" in proc.stdout
+    train_lines = [
+        x for x in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in x
+    ]
+    assert train_lines[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
+    assert (out / "reference_logps.safetensors").is_file() and (out / "final" / "model.safetensors").is_file()
 
 
 def test_dry_run_plans_two_sequences_per_pair(tmp_path):

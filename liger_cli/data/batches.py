@@ -41,3 +41,17 @@ def total_steps(training: TrainingSection, batches: StepBatches) -> int:
     if training.max_steps:
         return training.max_steps
     return max(1, math.ceil((training.epochs or 1) * batches.micro_per_epoch / training.grad_accum))
+
+
+def even_shares(size: int, micro_batch_size: int, world: int, rank: int) -> list[tuple[range, bool]]:
+    """This rank's micro-batches of a pass over `size` examples in order (evaluation, precomputing):
+    batch j goes to rank j % world, so a batch holds the same examples whatever the world size. Every
+    rank gets as many batches (FSDP and ZeRO-3 forwards are collective); a rank's padding batches
+    repeat the first one and are marked False: run them, drop what they give."""
+    starts = range(0, size, micro_batch_size)
+    shares = []
+    for i in range(math.ceil(len(starts) / world)):
+        j = i * world + rank
+        start = starts[j] if j < len(starts) else 0
+        shares.append((range(start, min(start + micro_batch_size, size)), j < len(starts)))
+    return shares

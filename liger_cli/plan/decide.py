@@ -106,12 +106,6 @@ def build_plan(recipe: Recipe, model: nn.Module | None = None, env: Mapping[str,
     """
     import torch
 
-    if recipe.training.objective == "dpo" and recipe.adapter.type == "none":
-        raise UserError(
-            "training.objective dpo with adapter.type none needs a frozen reference model, and liger does not "
-            "precompute reference log-probs yet: train an adapter (lora or dora; its reference is the model "
-            "with the adapter disabled), or use objective simpo or orpo (no reference)"
-        )
     env = os.environ if env is None else env
     dist = recipe.distributed
     backend = BACKENDS[dist.backend]

@@ -65,6 +65,8 @@ class Settings:
     fused_loss: bool
     rows_per_example: int = 1
     """Sequences per example: 2 for a preference pair (chosen and rejected go through one forward)."""
+    reference: str | None = None
+    """DPO's reference: "pass" (the adapter disabled, under no_grad) or "table" (precomputed)."""
 
 
 @dataclass(frozen=True)
@@ -181,7 +183,11 @@ def estimate(facts: Facts, s: Settings) -> tuple[dict[str, int], dict[str, str]]
     notes["optimizer"] = "AdamW: two moments of the trainable parameters"
     mode = "every layer checkpointed" if s.checkpointing else "no checkpointing"
     rows = s.micro_batch * s.rows_per_example
-    pairs = f" ({s.micro_batch} pairs; the reference pass keeps none)" if s.rows_per_example == 2 else ""
+    reference = {
+        "pass": "; the reference pass keeps none",
+        "table": "; reference log-probs precomputed before training, 8 bytes a pair",
+    }.get(s.reference, "")
+    pairs = f" ({s.micro_batch} pairs{reference})" if s.rows_per_example == 2 else ""
     notes["activations"] = f"{rows} x {facts.seq_len} tokens{pairs}, {mode}"
     if facts.activations is None:
         parts["activations"] = 0
@@ -229,6 +235,7 @@ def settings_of(recipe: Recipe, plan: Plan) -> Settings:
         checkpointing=plan.activation_checkpointing != "off",
         fused_loss=bool(plan.kernels.get("fused_linear_cross_entropy")),
         rows_per_example=1 if t.objective == "sft" else 2,
+        reference=("pass" if recipe.adapter.type != "none" else "table") if t.objective == "dpo" else None,
     )
 
 

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
+from liger_cli.data.batches import even_shares
 from liger_cli.model.objectives import Objective
 
 
@@ -17,12 +16,9 @@ def evaluate(model, dataset, accelerator, objective: Objective, micro_batch_size
     device = accelerator.device
     names: list[str] = []
     sums: torch.Tensor | None = None  # loss, then each metric, then the unit count (float64)
-    starts = range(0, len(dataset), micro_batch_size)
-    per_rank = math.ceil(len(starts) / accelerator.num_processes)
-    for i in range(per_rank):  # every rank runs the same number of forwards (FSDP needs that)
-        j = i * accelerator.num_processes + accelerator.process_index
-        start = starts[j] if j < len(starts) else starts[0]
-        examples = [dataset[k] for k in range(start, min(start + micro_batch_size, len(dataset)))]
+    shares = even_shares(len(dataset), micro_batch_size, accelerator.num_processes, accelerator.process_index)
+    for rows, real in shares:  # every rank runs the same number of forwards (FSDP needs that)
+        examples = [dataset[k] for k in rows]
         batch = {k: v.to(device) for k, v in objective.collate(examples, pad_id).items()}
         loss, stats = objective.loss(model, batch, torch.ones((), device=device))  # sums over its units
         names = list(stats)
@@ -31,7 +27,7 @@ def evaluate(model, dataset, accelerator, objective: Objective, micro_batch_size
         )
         if sums is None:
             sums = torch.zeros_like(values)
-        if j < len(starts):
+        if real:
             sums += values
     sums = accelerator.reduce(sums, "sum")
     model.train()

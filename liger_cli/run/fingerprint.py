@@ -69,12 +69,12 @@ def check_same_run(checkpoint: Path, found: dict) -> None:
     for field, value in found.items():
         if recorded.get(field) != value:
             raise UserError(
-                f"cannot resume {checkpoint}: {field} differs (checkpoint: {_short(recorded.get(field))}, "
-                f"recipe: {_short(value)}); resume with the recipe that wrote it, or start a new run in "
+                f"cannot resume {checkpoint}: {field} differs (checkpoint: {short_json(recorded.get(field))}, "
+                f"recipe: {short_json(value)}); resume with the recipe that wrote it, or start a new run in "
                 "another output.dir"
             )
 
 
-def _short(value) -> str:
+def short_json(value) -> str:
     text = json.dumps(value, sort_keys=True)
     return text if len(text) <= 120 else text[:117] + "..."

@@ -2,7 +2,8 @@
 
 Set-up, in order: backend and accelerator -> output folder checked (read-only) -> tokenizer and
 data -> model (adapter, checkpointing, kernels) -> output folder claimed (the first change on disk)
--> optimizer, schedule and `prepare` -> resume. Then `fit`: one
+-> optimizer, schedule and `prepare` -> the objective's `prepare` (values it needs from the untrained
+model, e.g. reference log-probs: `reference.py`) -> resume. Then `fit`: one
 loop over optimizer steps, each taking `grad_accum` micro-batches per process (`batches.py` says
 which). Everything that differs between backends is a call on the `Backend` object.
 
@@ -27,7 +28,7 @@ from liger_cli.data.batches import StepBatches, total_steps
 from liger_cli.data.tokenizer import load_tokenizer
 from liger_cli.errors import RunFailed, UserError
 from liger_cli.model import build_model, count_parameters
-from liger_cli.model.objectives import objective_for
+from liger_cli.model.objectives import Objective, objective_for
 from liger_cli.plan import Applied, Plan, render_with
 from liger_cli.recipe import Recipe
 from liger_cli.run import checkpoint, output_dir
@@ -37,6 +38,7 @@ from liger_cli.run.evaluate import evaluate
 from liger_cli.run.fingerprint import check_same_run, fingerprint
 from liger_cli.run.metrics import MemoryWatch, MetricsLog, peak_memory_mb
 from liger_cli.run.output_dir import OutputDecision, claim_output
+from liger_cli.run.reference import precompute_for
 
 FINAL_METRICS = "final_metrics.json"
 
@@ -70,13 +72,16 @@ class Trainer:
     """What the run's math depends on: written into every checkpoint, compared on resume."""
     memory: MemoryWatch
     """Started before the model is built: the peak a step adds, as the memory plan estimates it."""
+    objective: Objective
 
 
 def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
     """Train as the recipe says. Returns the final metrics.
 
     Nothing on disk changes until every check has passed (recipe, paths, tokenizer, data rows, model
-    config, resume compatibility): only then is the output folder claimed (`claim_output`).
+    config, resume compatibility): only then is the output folder claimed (`claim_output`). One
+    check comes later: a resume's stored reference log-probs (`reference.py`) are read, and refused
+    when they do not fit, once the objective's `prepare` asks for them, after the model is prepared.
     """
     backend = backend_for(recipe, plan)
     accelerator = backend.make_accelerator()
@@ -92,6 +97,7 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
     record_plan(recipe, plan, Applied(kernels_patched=kernel_report), accelerator.is_main_process, say)
     describe(model, data, say)
     trainer = prepare(recipe, backend, model, data, say, run_fingerprint, memory)
+    trainer.objective.prepare(precompute_for(trainer, output.resume_from))  # before any weight changes
     if output.resume_from is not None:
         resume(trainer, output.resume_from)
     last = fit(trainer)
@@ -184,7 +190,8 @@ def prepare(
     if gathered:
         say(f"fused loss: {gathered}")
     checkpoint.save_only_trainable_weights(backend.accelerator, model, recipe.adapter.type != "none")
-    return Trainer(recipe, backend, model, optimizer, scheduler, data, 0, say, found, memory)
+    objective = objective_for(recipe)
+    return Trainer(recipe, backend, model, optimizer, scheduler, data, 0, say, found, memory, objective)
 
 
 def resume(trainer: Trainer, checkpoint_dir: Path) -> None:
@@ -224,7 +231,7 @@ def fit(trainer: Trainer) -> dict[str, float]:
     accelerator, t, out, say = backend.accelerator, recipe.training, recipe.output.dir, trainer.say
     main, device, pad_id = accelerator.is_main_process, accelerator.device, data.tokenizer.pad_token_id
     metrics_log = MetricsLog(out, recipe.logging, main)
-    objective = objective_for(recipe)
+    objective = trainer.objective
     step = trainer.step
     last: dict[str, float] = {}
 

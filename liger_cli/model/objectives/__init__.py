@@ -6,8 +6,9 @@ units divided by the step's global count of units (`loss`), so neither gradient 
 the number of processes changes the math. Beside the loss it may return its own metrics, summed
 over the same units and divided the same way (`stats`); the loop sums them over micro-batches and
 ranks, which gives their means, and logs them. `fit` and `evaluate` call nothing else (and
-`start_note` once, after a fresh run's first step), so a new objective is a new file here and one
-line in `objective_for`. The objectives sit in the model stage so that the twin's checks (kernels,
+`start_note` once, after a fresh run's first step); set-up calls `prepare` once before `fit`, with
+the run's way to compute per-example values from the untrained model (DPO's reference log-probs
+without an adapter). A new objective is a new file here and one line in `objective_for`. The objectives sit in the model stage so that the twin's checks (kernels,
 accumulation) run the very loss the run trains with.
 """
 
@@ -16,13 +17,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 from liger_cli.model.objectives.causal_lm import CausalLM
-from liger_cli.model.objectives.preference import Preference
+from liger_cli.model.objectives.preference import PAIR_INDEX, Preference
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
     from torch import nn
 
     from liger_cli.recipe import Recipe
+
+
+__all__ = ["PAIR_INDEX", "CausalLM", "Objective", "Preference", "objective_for"]
 
 
 class Objective(Protocol):
@@ -37,6 +43,10 @@ class Objective(Protocol):
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The batch's loss summed over its units, divided by `num_items`; its metrics the same way."""
 
+    def prepare(self, precompute: Callable[[Callable], torch.Tensor]) -> None:
+        """Once before `fit`: `precompute(values)` gives `values(model, batch)` ([B, k] per example) for
+        every train then eval example, from the model before its first step (stored; read on resume)."""
+
     def start_note(self, first: dict[str, float]) -> str | None:
         """A line for the run log about a fresh run's first step (its loss and metrics), or None."""
 
@@ -47,4 +57,4 @@ def objective_for(recipe: Recipe) -> Objective:
     objective = recipe.training.objective
     if objective == "sft":
         return CausalLM()
-    return Preference(objective, recipe.preference)
+    return Preference(objective, recipe.preference, adapter=recipe.adapter.type != "none")

@@ -37,5 +37,8 @@ class CausalLM:
     def loss(self, model, batch: dict[str, torch.Tensor], num_items: torch.Tensor):
         return causal_lm_loss(model, batch, num_items), {}
 
+    def prepare(self, precompute) -> None:
+        return None
+
     def start_note(self, first: dict[str, float]) -> str | None:
         return None

@@ -10,7 +10,11 @@ forward, where FSDP has gathered it and ZeRO-3's hooks fire.
 
 The reference (DPO) is the same model with its adapter disabled, under no_grad: no second model in
 memory. peft's `disable_adapter` can leave frozen adapter weights trainable when it exits, so every
-parameter's `requires_grad` and every module's training flag are restored exactly afterwards.
+parameter's `requires_grad` and every module's training flag are restored exactly afterwards. With
+full fine-tuning there is no adapter to disable: the reference is the model before its first step,
+its log-probs computed once for every pair (`prepare`; the run computes, stores and reads them back)
+and looked up by each pair's row (`PAIR_INDEX`, carried by the batch, never passed to the model).
+The twin's checks, which run no `prepare`, take the untrained twin itself as its reference.
 SimPO and ORPO need no reference. The formulas are `liger_kernels.preference` (one line each, in the
 README); the loss is a sum over pairs divided by the step's pair count, like every objective.
 """
@@ -26,14 +30,19 @@ from torch import nn
 from liger_cli.data.encode import collate
 
 NEEDS_REFERENCE = ("dpo",)
+PAIR_INDEX = "pair"
+"""A pair's row in the run's reference table, in examples and batches (only when the run has a table)."""
 
 
 class Preference:
     unit = "pair"
 
-    def __init__(self, objective: str, options):
+    def __init__(self, objective: str, options, adapter: bool = True):
         self.objective = objective
         self.options = options
+        self.adapter = adapter
+        self.reference: torch.Tensor | None = None
+        """[pairs, 2] (chosen, rejected) reference log-probs, when precomputed (full fine-tuning)."""
 
     def collate(self, examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
         """2B rows, chosen then rejected, padded together (one forward for both answers)."""
@@ -43,23 +52,37 @@ class Preference:
             for side in ("chosen", "rejected")
             for ex in examples
         ]  # fmt: skip
-        return collate(rows, pad_id)
+        batch = collate(rows, pad_id)
+        if PAIR_INDEX in examples[0]:
+            batch[PAIR_INDEX] = torch.tensor([ex[PAIR_INDEX] for ex in examples])
+        return batch
 
     def units(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Pairs."""
         return torch.tensor(batch["input_ids"].shape[0] // 2)
 
+    def prepare(self, precompute) -> None:
+        """DPO without an adapter: the reference is the model before training, so its log-probs are
+        `precompute`d for every pair once (the run's table; read back on resume)."""
+        if self.objective in NEEDS_REFERENCE and not self.adapter:
+            self.reference = precompute(self.reference_logps)
+
+    def reference_logps(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[B, 2]: each pair's (chosen, rejected) log-probs under no_grad in eval mode (dropout off);
+        every flag as it was afterwards."""
+        with torch.no_grad(), kept_flags(model):
+            model.eval()
+            logp = sequence_logprobs(model, batch)[0].float()
+        n = logp.shape[0] // 2
+        return torch.stack([logp[:n], logp[n:]], dim=1)
+
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor], num_items: torch.Tensor):
         from liger_kernels.preference import preference_loss
 
         o = self.options
-        reference = None
-        if self.objective in NEEDS_REFERENCE:
-            with torch.no_grad(), reference_mode(model):
-                reference = sequence_logprobs(model, batch)[0]
+        ref = self._reference(model, batch) if self.objective in NEEDS_REFERENCE else (None, None)
         logp, count = sequence_logprobs(model, batch)
         n = logp.shape[0] // 2
-        ref = (reference[:n], reference[n:]) if reference is not None else (None, None)
         per_pair, metrics = preference_loss(
             self.objective, logp[:n], logp[n:], count[:n], count[n:], *ref,
             beta=o.beta, loss_type=o.loss_type, label_smoothing=o.label_smoothing,
@@ -68,8 +91,29 @@ class Preference:
         divide = num_items.to(per_pair.device, per_pair.dtype)
         return per_pair.sum() / divide, {name: v.float().sum() / divide for name, v in metrics.items()}
 
+    def _reference(
+        self, model: nn.Module, batch: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chosen, rejected) reference log-probs: the table's rows, the model with its adapter
+        disabled, or (a twin, no table) the untrained model itself."""
+        if self.reference is not None or PAIR_INDEX in batch:
+            if self.reference is None or PAIR_INDEX not in batch:
+                raise RuntimeError(
+                    "a precomputed reference needs both the table (`prepare`) and each pair's row"
+                )
+            rows = self.reference.to(batch[PAIR_INDEX].device)[batch[PAIR_INDEX]]
+            return rows[:, 0], rows[:, 1]
+        if self.adapter:
+            with torch.no_grad(), reference_mode(model):
+                logp = sequence_logprobs(model, batch)[0]
+            n = logp.shape[0] // 2
+            return logp[:n], logp[n:]
+        rows = self.reference_logps(model, batch)
+        return rows[:, 0], rows[:, 1]
+
     def start_note(self, first: dict[str, float]) -> str | None:
-        """DPO starts from policy == reference (the adapter's B is zero): every reward 0 and, for the
+        """DPO starts from policy == reference (the adapter's B is zero; without an adapter the
+        reference is the untrained model itself): every reward 0 and, for the
         sigmoid and robust losses, the loss ln 2. Said either way, so a wrong start is never silent."""
         if self.objective != "dpo":
             return None
@@ -89,7 +133,11 @@ class Preference:
             f"start check: step 1 rewards are {first['rewards/chosen']:.4g} (chosen) and "
             f"{first['rewards/rejected']:.4g} (rejected), not 0, and the loss {first['loss']:.4f}, not "
             f"{expected[self.options.loss_type]:.4f}: the policy differs from its reference at the start "
-            "(an adapter initialised away from zero, or dropout outside the adapter?)"
+            + (
+                "(an adapter initialised away from zero, or dropout outside the adapter?)"
+                if self.adapter
+                else "(dropout in the model? its reference log-probs were computed without it)"
+            )
         )
 
 
@@ -102,7 +150,8 @@ def sequence_logprobs(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple
     saved = causal_lm.__dict__.get("_loss_function")
     causal_lm.loss_function = sequence_logprobs_loss
     try:
-        output = model(**batch, **_no_router_loss(causal_lm))
+        inputs = {k: v for k, v in batch.items() if k != PAIR_INDEX}
+        output = model(**inputs, **_no_router_loss(causal_lm))
     finally:
         if saved is None:
             causal_lm.__dict__.pop("_loss_function", None)
@@ -134,6 +183,20 @@ def _no_router_loss(causal_lm: nn.Module) -> dict:
 
 
 @contextlib.contextmanager
+def kept_flags(model: nn.Module):
+    """Every parameter's requires_grad and every module's training flag exactly as before, afterwards."""
+    trainable = [(p, p.requires_grad) for p in model.parameters()]
+    training = [(m, m.training) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for p, flag in trainable:
+            p.requires_grad_(flag)
+        for m, flag in training:
+            m.training = flag
+
+
+@contextlib.contextmanager
 def reference_mode(model: nn.Module):
     """The model with its adapter disabled; requires_grad and training flags exactly as before after."""
     peft_model = next(
@@ -141,13 +204,5 @@ def reference_mode(model: nn.Module):
     )
     if peft_model is None:
         raise RuntimeError("a reference without a copy needs an adapter to disable")
-    trainable = [(p, p.requires_grad) for p in model.parameters()]
-    training = [(m, m.training) for m in model.modules()]
-    try:
-        with peft_model.disable_adapter():
-            yield
-    finally:
-        for p, flag in trainable:
-            p.requires_grad_(flag)
-        for m, flag in training:
-            m.training = flag
+    with kept_flags(model), peft_model.disable_adapter():
+        yield

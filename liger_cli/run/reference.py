@@ -1,0 +1,129 @@
+"""Values an objective takes from the model before its first step (DPO's reference log-probs with full
+fine-tuning): computed once under the run's own backend, stored with the run, read back on resume.
+
+Computed after `prepare`, so through the model as the backend wrapped and sharded it: each rank takes
+every world-th micro-batch of the train pairs, then of the eval pairs (`even_shares`: as many forwards
+on every rank, since FSDP and ZeRO-3 forwards are collective), writes its rows into a zero table and
+the ranks sum the tables (disjoint rows: exact), so every rank holds the whole of it. Rank 0 stores it
+as `reference_logps.safetensors` in the output folder (a temporary name, then a rename), one float32
+[pairs, 2] tensor per split, with what it depends on in its metadata. A resume reads it from the
+folder of the run that wrote the checkpoint and never recomputes: the model is trained by then. A
+missing file, or one computed for other data or another model, is refused.
+
+The in-memory table is the train rows, then the eval rows; every example gets its row as the
+objective's `PAIR_INDEX` column.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from liger_cli.data.batches import even_shares
+from liger_cli.errors import UserError
+from liger_cli.model.objectives import PAIR_INDEX
+from liger_cli.run.fingerprint import short_json
+
+if TYPE_CHECKING:
+    from liger_cli.run.train import Trainer
+
+REFERENCE_FILE = "reference_logps.safetensors"
+DEPENDS_ON = ("model", "model.config sha256", "data", "data.train sha256", "data.eval sha256")
+"""The run fingerprint's fields that the values depend on (with the pair counts)."""
+
+
+def precompute_for(trainer: Trainer, resume_from: Path | None):
+    """The `precompute` an objective's `prepare` calls: computes (fresh run) or reads (resume) the
+    table, gives every example its row, and returns the table on the run's device."""
+
+    def precompute(values) -> torch.Tensor:
+        data, accelerator = trainer.data, trainer.backend.accelerator
+        splits = {"train": data.train, "eval": data.eval}
+        splits = {name: dataset for name, dataset in splits.items() if dataset is not None}
+        depends = {field: trainer.fingerprint[field] for field in DEPENDS_ON}
+        depends |= {f"pairs.{name}": len(dataset) for name, dataset in splits.items()}
+        counts = f"{len(data.train)} train / {len(data.eval) if data.eval is not None else 0} eval pairs"
+        out = trainer.recipe.output.dir / REFERENCE_FILE
+        if resume_from is None:
+            start = time.perf_counter()
+            tables = {name: _compute(trainer, dataset, values) for name, dataset in splits.items()}
+            if accelerator.is_main_process:
+                _write(out, tables, depends)
+            trainer.say(f"reference log-probs: computed for {counts} in {time.perf_counter() - start:.1f}s "
+                        f"under {trainer.backend.name}; stored in {out}")  # fmt: skip
+        else:
+            source = resume_from.parent.parent / REFERENCE_FILE  # <run>/checkpoints/step-N
+            tables = _read(source, resume_from, depends)
+            if accelerator.is_main_process and source.resolve() != out.resolve():
+                shutil.copyfile(source, out.with_name(f".tmp-{REFERENCE_FILE}"))
+                os.replace(out.with_name(f".tmp-{REFERENCE_FILE}"), out)  # the new run folder resumes too
+            trainer.say(f"reference log-probs: read from {source} ({counts}), not recomputed")
+        accelerator.wait_for_everyone()
+        first = 0
+        for name, dataset in splits.items():
+            rows = list(range(first, first + len(dataset)))
+            setattr(data, name, dataset.add_column(PAIR_INDEX, rows))
+            first += len(dataset)
+        return torch.cat(list(tables.values())).to(accelerator.device)
+
+    return precompute
+
+
+def _compute(trainer: Trainer, dataset, values) -> torch.Tensor:
+    """[len(dataset), k] float32 on every rank: `values(model, batch)` of every example, in order."""
+    accelerator, objective = trainer.backend.accelerator, trainer.objective
+    pad_id, micro = trainer.data.tokenizer.pad_token_id, trainer.recipe.training.micro_batch_size
+    table = None
+    for rows, real in even_shares(len(dataset), micro, accelerator.num_processes, accelerator.process_index):
+        batch = objective.collate([dataset[k] for k in rows], pad_id)
+        found = values(trainer.model, {k: v.to(accelerator.device) for k, v in batch.items()}).float()
+        if table is None:
+            table = torch.zeros(len(dataset), found.shape[1], device=accelerator.device)
+        if real:
+            table[rows.start : rows.stop] = found
+    return accelerator.reduce(table, "sum").cpu()
+
+
+def _write(path: Path, tables: dict[str, torch.Tensor], depends: dict) -> None:
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(f".tmp-{path.name}")
+    save_file(tables, str(tmp), metadata={field: json.dumps(value) for field, value in depends.items()})
+    os.replace(tmp, path)
+
+
+def _read(path: Path, checkpoint: Path, depends: dict) -> dict[str, torch.Tensor]:
+    """The stored tables, if computed for this run's data and model; else a one-line UserError."""
+    from safetensors import SafetensorError, safe_open
+
+    fix = "resume with the data and model it was computed for, or start a new run in another output.dir"
+    try:
+        with safe_open(str(path), "pt") as f:
+            stored, tables = f.metadata() or {}, {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    except (OSError, SafetensorError) as err:
+        why = "is missing" if not path.exists() else f"is unreadable ({str(err).splitlines()[0]})"
+        raise UserError(
+            f"cannot resume {checkpoint}: {path} (the reference log-probs of the model before training) "
+            f"{why}, and they cannot be recomputed from a trained model; start a new run in another output.dir"
+        ) from None
+    for field, value in depends.items():
+        try:
+            recorded = json.loads(stored[field]) if field in stored else None
+        except ValueError:
+            recorded = stored[field]
+        if recorded != value:
+            raise UserError(
+                f"cannot resume {checkpoint}: {path} was computed for another {field} (file: "
+                f"{short_json(recorded)}, run: {short_json(value)}); {fix}"
+            )
+    for name, table in tables.items():
+        if table.dim() != 2 or table.shape[0] != depends.get(f"pairs.{name}"):
+            raise UserError(f"cannot resume {checkpoint}: {path} holds a {name} table of shape "
+                            f"{tuple(table.shape)}, not one row per pair; {fix}")  # fmt: skip
+    return {name: tables[name] for name in ("train", "eval") if name in tables}
