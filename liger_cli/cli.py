@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from liger_cli.errors import UserError
+from liger_cli.errors import RunFailed, UserError
 
 app = typer.Typer(
     name="liger",
@@ -27,7 +27,7 @@ app = typer.Typer(
 
 
 def _user_errors(command):
-    """Turn a UserError into one line on stderr and exit 2: no traceback for user mistakes."""
+    """Turn a UserError into one line on stderr and exit 2 (a failed check, RunFailed: exit 1): no traceback."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
@@ -36,6 +36,9 @@ def _user_errors(command):
         except UserError as err:
             typer.echo(f"error: {err}", err=True)
             raise typer.Exit(err.exit_code) from None
+        except RunFailed as err:  # a check that failed (exit 1), said in one line
+            typer.echo(f"error: {err}", err=True)
+            raise typer.Exit(1) from None
 
     return wrapper
 
@@ -176,8 +179,11 @@ def merge(
     """Merge a run's LoRA adapter into its base model and save the full model (save_pretrained)."""
     from liger_cli.merge import merge_adapter
 
-    merge_adapter(run_dir, out_dir, overwrite=overwrite)
+    diff = merge_adapter(run_dir, out_dir, overwrite=overwrite)
     typer.echo(f"merged model written to {out_dir}")
+    typer.echo(
+        f"merge verified: the merged model reloaded gives base + adapter's logits on a probe batch (largest difference {diff:.2g})"
+    )
 
 
 @app.command()

@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 from liger_cli.errors import UserError
+from liger_cli.run import verify
 
 MERGE_MARKER = ".liger-merge"
 
@@ -51,22 +52,36 @@ def check_merge(run_dir: Path, out_dir: Path, overwrite: bool) -> tuple[Path, st
     return adapter_dir, base
 
 
-def merge_adapter(run_dir: Path, out_dir: Path, overwrite: bool = False) -> None:
-    """Merge a finished run's adapter into its base model and save the full model."""
+def merge_adapter(run_dir: Path, out_dir: Path, overwrite: bool = False) -> float:
+    """Merge a finished run's adapter into its base model and save the full model. The merged model,
+    reloaded from disk, must give base + adapter's logits on a probe batch (`run/verify.py`) before
+    OUT_DIR is written; returns the largest logit difference."""
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     adapter_dir, _ = check_merge(run_dir, out_dir, overwrite)
     from peft import AutoPeftModelForCausalLM
-    from transformers import AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoPeftModelForCausalLM.from_pretrained(adapter_dir, dtype="auto").merge_and_unload()
+    adapted = AutoPeftModelForCausalLM.from_pretrained(adapter_dir, dtype="auto")
+    probe = verify.random_probe(adapted.config.vocab_size)
+    expected = verify.logits_of(adapted, probe)
+    model = adapted.merge_and_unload()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         (tmp / MERGE_MARKER).touch()
         model.save_pretrained(tmp, safe_serialization=True)
         AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(tmp)
+        merged = AutoModelForCausalLM.from_pretrained(tmp, dtype="auto")
+        diff, relative = verify.logit_difference(expected, verify.logits_of(merged, probe))
+        rtol = verify.logit_rtol(merged.dtype)
+        if relative > rtol:
+            raise verify.NotVerified(
+                f"the merged model does not compute what base + adapter computes: largest logit difference "
+                f"{diff:.3g} ({relative:.2g} of the largest logit, tolerance {rtol:g}); nothing written to {out_dir}"
+            )
         if out_dir.exists():  # checked above: empty, or a merge folder liger made
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    return diff

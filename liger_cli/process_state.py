@@ -10,6 +10,7 @@ outside this module touches them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterable, MutableMapping
 
@@ -68,6 +69,21 @@ def reset_for_new_run() -> None:
     for key in BACKEND_ENV:
         os.environ.pop(key, None)
     unset_hf_deepspeed_config()
+
+
+@contextlib.contextmanager
+def loading_alone():
+    """While a ZeRO-3 config is registered, transformers builds every model under ZeRO-3's init
+    context, whose partitioning is collective: a model that one rank loads by itself (the final check's
+    reload) must be built outside it, or that rank waits on the others forever."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    saved = getattr(hf_deepspeed, "_hf_deepspeed_config_weak_ref", None)
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
 
 
 def force_distributed_type_on_cpu(kind: str) -> object:

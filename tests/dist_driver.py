@@ -25,7 +25,7 @@ from liger_cli.run import train
 _real_save_final = train.save_final
 
 
-def _save_final_with_checks(backend, model, tokenizer, out: Path) -> None:
+def _save_final_with_checks(backend, model, tokenizer, out: Path) -> dict:
     """The real save, after recording what the tests need from the trained, still-wrapped model."""
     accelerator = backend.accelerator
     if accelerator.is_main_process:
@@ -33,7 +33,7 @@ def _save_final_with_checks(backend, model, tokenizer, out: Path) -> None:
         lm_head = inner.get_output_embeddings().weight
         tied = inner.get_input_embeddings().weight is lm_head
         (out / "checks.json").write_text(json.dumps({"tied": tied, "lm_head_numel": lm_head.numel()}))
-    _real_save_final(backend, model, tokenizer, out)
+    return _real_save_final(backend, model, tokenizer, out)
 
 
 def field_failure_1(recipe_path: str) -> str:

@@ -110,6 +110,8 @@ def test_deepspeed_trains_the_one_process_model(name: str, runs) -> None:
     assert not (runs["root"] / "torch_extensions").exists() and "built successfully" not in stdout
     sharding = [line for line in stdout.splitlines() if line.startswith("sharding:")]
     assert len(sharding) == len(CASES) + 1  # and dpo-full
+    verified = [line for line in stdout.splitlines() if line.startswith("final model verified")]
+    assert len(verified) == len(CASES) + 1, stdout[-3000:]  # every ZeRO save reloaded and compared
     lm_head_numel = json.loads((out / "checks.json").read_text())["lm_head_numel"]
     if stage == 3:
         # lm_head.weight is partitioned away outside a forward: the fused loss really needed the gather.

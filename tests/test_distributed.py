@@ -218,6 +218,9 @@ def test_two_processes_train_the_one_process_model(backend: str, assets, referen
         torch.testing.assert_close(got[key], want[key], atol=1e-6, rtol=1e-5, msg=key)
     sharding = [line for line in proc.stdout.splitlines() if line.startswith("sharding:")]
     assert len(sharding) == len(outs) + 1
+    # What is saved is what was trained: every case reloaded its final/ and compared it (verify.py).
+    verified = [line for line in proc.stdout.splitlines() if line.startswith("final model verified")]
+    assert len(verified) == len(outs) + 1, proc.stdout[-3000:]
     if backend.startswith("fsdp"):
         assert all("LlamaDecoderLayer" in (outs[n] / "plan.txt").read_text() for n in ("lora", "lora-ac"))
         assert all("1/2" in line for line in sharding), sharding

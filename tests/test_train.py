@@ -219,6 +219,8 @@ def test_merge_gives_the_adapter_models_logits(
     merged_dir = tmp_path / "merged"
     proc = liger("merge", str(uninterrupted), str(merged_dir))
     assert proc.returncode == 0, proc.stderr[-2000:]
+    verdict = [line for line in proc.stdout.splitlines() if line.startswith("merge verified")]
+    assert len(verdict) == 1 and float(verdict[0].rsplit("difference ", 1)[1].rstrip(")")) < 1e-4, proc.stdout
     merged = AutoModelForCausalLM.from_pretrained(merged_dir).eval()
     adapter = PeftModel.from_pretrained(
         AutoModelForCausalLM.from_pretrained(tiny_model_dir), uninterrupted / "final"

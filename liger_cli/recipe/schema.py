@@ -273,6 +273,8 @@ class OutputSection(_Section):
     resume: str = "never"
     """auto (latest complete checkpoint in dir), never, or a checkpoint folder."""
     overwrite: bool = False
+    verify: bool = True
+    """Reload the final output from disk after the save and compare it with the trained model."""
 
     @field_validator("resume")
     @classmethod

@@ -118,8 +118,9 @@ def check_adapter_checkpoint(accelerator, model, checkpoint_dir: Path) -> None:
         )
 
 
-def save_final(backend, model, tokenizer, out: Path) -> None:
-    """The adapter in peft's format (or the full model), plus the tokenizer, written by rank 0 only."""
+def save_final(backend, model, tokenizer, out: Path) -> dict:
+    """The adapter in peft's format (or the full model), plus the tokenizer, written by rank 0 only;
+    returns the gathered state dict (whole on rank 0), which the final check compares with the files."""
     accelerator = backend.accelerator
     state_dict = backend.full_state_dict(model)  # gathers shards on every rank; rank 0 keeps it
     final = out / "final"
@@ -131,3 +132,4 @@ def save_final(backend, model, tokenizer, out: Path) -> None:
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
     accelerator.wait_for_everyone()
+    return state_dict

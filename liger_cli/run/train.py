@@ -13,6 +13,7 @@ batches, all ranks): each micro-batch's loss is a sum divided by the step's glob
 
 from __future__ import annotations
 
+import functools
 import json
 import pickle
 import sys
@@ -27,11 +28,11 @@ from liger_cli.data import build_datasets
 from liger_cli.data.batches import StepBatches, total_steps
 from liger_cli.data.tokenizer import load_tokenizer
 from liger_cli.errors import RunFailed, UserError
-from liger_cli.model import build_model, count_parameters
+from liger_cli.model import build_model, count_parameters, model_dtype
 from liger_cli.model.objectives import Objective, objective_for
 from liger_cli.plan import Applied, Plan, render_with
 from liger_cli.recipe import Recipe
-from liger_cli.run import checkpoint, output_dir
+from liger_cli.run import checkpoint, output_dir, verify
 from liger_cli.run.backends import Backend, backend_for
 from liger_cli.run.checkpoint import save_final
 from liger_cli.run.evaluate import evaluate
@@ -212,7 +213,8 @@ def resume(trainer: Trainer, checkpoint_dir: Path) -> None:
 def finish(trainer: Trainer, last: dict[str, float]) -> None:
     """The final model (gathered by the backend, written by rank 0) and the final metrics."""
     out, accelerator = trainer.recipe.output.dir, trainer.backend.accelerator
-    save_final(trainer.backend, trainer.model, trainer.data.tokenizer, out)
+    state_dict = save_final(trainer.backend, trainer.model, trainer.data.tokenizer, out)
+    check_final(trainer, state_dict)
     peak = trainer.memory.peak_mb
     trainer.say(f"memory: peak {peak:.0f} MiB over the process's memory before the model was built "
                 "(what `liger train --dry-run` estimates)")  # fmt: skip
@@ -220,6 +222,24 @@ def finish(trainer: Trainer, last: dict[str, float]) -> None:
         final = {**last, "peak_mem_growth_mb": peak}
         (out / FINAL_METRICS).write_text(json.dumps(final, indent=2))  # last: it marks the run complete
     trainer.say(f"done: final model in {out / 'final'}, metrics in {out / 'metrics.jsonl'}")
+
+
+def check_final(trainer: Trainer, state_dict: dict) -> None:
+    """What is saved is what was trained (`verify.py`): every rank runs the trained model on a probe
+    batch of the run's own data (a sharded forward is collective), then rank 0 reloads `final/` from
+    disk and compares. Rank 0 alone fails if they differ; the others have nothing left to wait for."""
+    recipe, backend = trainer.recipe, trainer.backend
+    if not recipe.output.verify:
+        trainer.say("final model not verified (output.verify: false)")
+        return
+    train, pad_id = trainer.data.train, trainer.data.tokenizer.pad_token_id
+    examples = [train[i] for i in range(min(verify.PROBE_ROWS, len(train)))]
+    probe = verify.probe_batch(trainer.objective.collate(examples, pad_id))
+    logits = verify.logits_of(trainer.model, probe, backend.accelerator.device)
+    if backend.accelerator.is_main_process:
+        rtol = verify.logit_rtol(backend.plan.precision, model_dtype(recipe))
+        load = functools.partial(verify.load_final, recipe)
+        trainer.say(verify.verify_final(recipe.output.dir / "final", load, state_dict, logits, probe, rtol))
 
 
 # --- the loop ---------------------------------------------------------------------------------------------
