@@ -76,6 +76,17 @@ def dpo_full(assets: dict) -> dict:
     return {**dpo(assets), "adapter__type": "none", "data__eval_fraction": 0.15}
 
 
+def preference_cases(assets: dict) -> dict[str, dict]:
+    """Every preference objective in the 2-process comparison: DPO with LoRA and full, SimPO with LoRA
+    (no reference), ORPO full (no reference, its NLL term)."""
+    return {
+        "dpo": dpo(assets),
+        "dpo-full": dpo_full(assets),
+        "simpo": {**dpo(assets), "training__objective": "simpo"},
+        "orpo-full": {**dpo_full(assets), "training__objective": "orpo"},
+    }
+
+
 def write_recipe(
     assets: dict, out: Path, backend: str = "none", adapter: str = "lora", ac: str = "off", **over
 ) -> Path:
@@ -105,10 +116,8 @@ def write_recipe(
     return path
 
 
-def losses(out: Path) -> list[float]:
-    return [
-        r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r
-    ]
+def losses(out: Path, key: str = "loss") -> list[float]:
+    return [r[key] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if key in r]
 
 
 def run_driver(spec: dict, folder: Path, nproc: int, timeout: int = 240) -> subprocess.CompletedProcess:
@@ -128,13 +137,13 @@ def references(assets) -> dict[str, Path]:
     """1-process runs of the same recipes: LoRA, full fine-tuning, and full on the tied model."""
     root = assets["root"] / "ref"
     root.mkdir()
-    outs = {name: root / name for name in ("lora", "full", "tied", "dpo", "dpo-full")}
+    preference = preference_cases(assets)
+    outs = {name: root / name for name in ("lora", "full", "tied", *preference)}
     cases = [
         write_recipe(assets, outs["lora"]),
         write_recipe(assets, outs["full"], adapter="none"),
         write_recipe(assets, outs["tied"], adapter="none", model="tied"),
-        write_recipe(assets, outs["dpo"], **dpo(assets)),
-        write_recipe(assets, outs["dpo-full"], **dpo_full(assets)),
+        *(write_recipe(assets, outs[name], **over) for name, over in preference.items()),
     ]
     run_driver({"cases": [{"recipe": str(c)} for c in cases]}, root, nproc=1)
     return outs
@@ -179,10 +188,11 @@ def test_two_processes_train_the_one_process_model(backend: str, assets, referen
         cases.append(
             {"recipe": str(write_recipe(assets, outs[name], backend, adapter, ac, **save)), "env": env}
         )
-    outs["dpo"] = tmp_path / "dpo"  # preference pairs: the loss per pair, the reference pass, all ranks
-    cases.append({"recipe": str(write_recipe(assets, outs["dpo"], backend, **dpo(assets)))})
-    outs["dpo-full"] = tmp_path / "dpo-full"  # no adapter: the reference log-probs precomputed by both ranks
-    cases.append({"recipe": str(write_recipe(assets, outs["dpo-full"], backend, **dpo_full(assets)))})
+    # Preference pairs: the loss per pair, the reference pass (LoRA) or the reference log-probs
+    # precomputed by both ranks (full), or no reference (SimPO, ORPO); metrics over all ranks.
+    for name, over in preference_cases(assets).items():
+        outs[name] = tmp_path / name
+        cases.append({"recipe": str(write_recipe(assets, outs[name], backend, **over))})
     # Resume the LoRA case's step-2 checkpoint under the same backend and process count.
     resumed = tmp_path / "resumed"
     resume = {"output__resume": str(outs["lora"] / "checkpoints" / "step-2")}
@@ -198,6 +208,9 @@ def test_two_processes_train_the_one_process_model(backend: str, assets, referen
     for name, out in outs.items():
         ref = references[name if name in references else "full" if name.startswith("full") else "lora"]
         assert_same_run(out, ref)
+        for key in ("rewards/margins", "logps/rejected", "eval_loss"):  # all ranks' pairs in each mean
+            assert losses(out, key) == pytest.approx(losses(ref, key), abs=1e-4, rel=1e-5), (name, key)
+        assert bool(losses(out, "rewards/margins")) == (name in preference_cases(assets))
         plan = (out / "plan.txt").read_text()
         assert f"({backend})" in plan and "2 on 1 machine(s)" in plan
         assert "fused_linear_cross_entropy: patched" in plan  # kernels on, FLCE inside the forward
