@@ -303,3 +303,63 @@ def test_the_accumulation_check_proves_the_pair_loss_and_catches_a_mean_per_micr
     monkeypatch.setattr(Preference, "loss", mean_per_micro_batch)
     _, bad = check_pipeline(config, {}, **run)
     assert bad.error and "the mean over its pairs" in bad.error
+
+
+# --- everything else keeps working with a preference objective --------------------------------------------
+
+
+def metrics(out: Path, key: str = "loss") -> list[float]:
+    return [x[key] for x in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if key in x]
+
+
+def test_dpo_resume_is_bit_identical(tmp_path, tiny_model_dir):
+    """A DPO run resumed from its step-2 checkpoint (adapter, optimizer, schedule, RNG) logs the same
+    steps 3-4 and saves the same adapter as the run that went through."""
+    from safetensors.torch import load_file
+
+    whole, out = train(tmp_path, tiny_model_dir, "dpo", "--set", "training.max_steps=4",
+                       "--set", "output.save_every=2")  # fmt: skip
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    resumed_out = tmp_path / "resumed"
+    resumed, _ = train(tmp_path, tiny_model_dir, "dpo", "--set", "training.max_steps=4",
+                       "--set", "output.save_every=2", "--set", f"output.dir={resumed_out}",
+                       "--set", f"output.resume={out / 'checkpoints' / 'step-2'}")  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from" in resumed.stdout and "start check" not in resumed.stdout
+    for key in ("loss", "rewards/margins", "logps/chosen"):
+        assert metrics(resumed_out, key) == metrics(out, key)[2:], key
+    got, want = (load_file(p / "final" / "adapter_model.safetensors") for p in (resumed_out, out))
+    assert got.keys() == want.keys() and got
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+
+
+def test_dora_dpo_merges_into_a_model_that_gives_the_adapters_logits(tmp_path, tiny_model_dir):
+    proc, out = train(tmp_path, tiny_model_dir, "dpo", "--set", "adapter.type=dora")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "start check: step 1 has policy == reference" in proc.stdout  # DoRA's magnitude starts at |W|
+    assert "final model verified" in proc.stdout
+    merged = subprocess.run(
+        [sys.executable, "-m", "liger_cli", "merge", str(out), str(tmp_path / "merged")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert merged.returncode == 0, merged.stderr[-2000:]
+    assert "merge verified" in merged.stdout and (tmp_path / "merged" / "model.safetensors").is_file()
+
+
+def test_bench_on_a_dpo_recipe_compares_kernels_on_and_off(tmp_path, tiny_model_dir):
+    """`liger bench` trains the preference recipe twice (fused log-probs on, then every kernel off);
+    both start from policy == reference, so their first losses agree (ln 2)."""
+    proc, _ = train(tmp_path, tiny_model_dir, "dpo", "--dry-run")  # writes the recipe; nothing trained
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    bench = tmp_path / "bench"
+    proc = subprocess.run(
+        [sys.executable, "-m", "liger_cli", "bench", str(tmp_path / "dpo.yaml"), "--steps", "1", "--warmup", "1",
+         "--out", str(bench)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads((bench / "bench.json").read_text())
+    assert set(report["runs"]) == {"kernels_on", "kernels_off"}
+    for variant in report["runs"]:
+        assert metrics(bench / variant)[0] == pytest.approx(math.log(2), abs=1e-5), variant
