@@ -7,27 +7,14 @@ data (files and their content), seed, batch sizes, process count and backend. `t
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
+from liger_cli.data.hashing import sha256_of
 from liger_cli.errors import UserError
 from liger_cli.recipe import Recipe
 
 FINGERPRINT_FILE = "run.json"
-
-
-def sha256_of(path: Path) -> str:
-    """The sha256 of a file's bytes, or of every file under a folder (names and bytes, in order)."""
-    digest = hashlib.sha256()
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    for file in files:
-        if path.is_dir():
-            digest.update(str(file.relative_to(path)).encode() + b"\0")
-        with file.open("rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-    return digest.hexdigest()
 
 
 def fingerprint(recipe: Recipe, num_processes: int, backend: str) -> dict:
