@@ -65,11 +65,12 @@ def sources_of(value, default_format: str) -> list[Source]:
 
 
 def _local_or_hub(path: Path | str) -> Path | str:
-    """A str that names an existing path, a data file or starts like a path is local; else a Hub name."""
+    """A str that names a data file or starts like a path is local; else a Hub name (the recipe's schema
+    has already turned every local path into a Path)."""
     if isinstance(path, Path):
         return path
     local = Path(path).expanduser()
-    if local.exists() or local.suffix.lower() in LOADERS or path.startswith((".", "/", "~")):
+    if local.suffix.lower() in LOADERS or path.startswith((".", "/", "~")):
         return local
     return path
 
