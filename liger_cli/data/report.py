@@ -86,7 +86,10 @@ def report_text(name: str, split: Split) -> str:
     n_learned = sum(sum(1 for label in labels[1:] if label != IGNORE_INDEX) for labels in ex["labels"])
     dropped = sum(split.dropped.values())
     why = "".join(f"\n    dropped, {reason}: {n}" for reason, n in split.dropped.items())
-    rows = len(split.dataset) if split.packing else _packed_rows(lengths, split.max_seq_len)
+    packed = (
+        split.packing and split.dataset is not None
+    )  # a mixture packs the mixed examples, not each source
+    rows = len(split.dataset) if packed else _packed_rows(lengths, split.max_seq_len)
     efficiency = n_tokens / (rows * split.max_seq_len)
     packing = (
         f"packing: {rows:,} rows of {split.max_seq_len} tokens, {efficiency:.1%} filled"
