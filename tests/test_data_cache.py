@@ -255,3 +255,26 @@ def test_a_hub_name_offline_is_one_line_exit_2(tmp_path, monkeypatch):
     line = result.output.strip()
     assert "\n" not in line and "Traceback" not in line
     assert "someone/no-such-dataset-x" in line and "HF_HUB_OFFLINE" in line
+
+
+# ------------------------------------------------------------------------------ two processes
+@pytest.mark.timeout(300)
+def test_two_processes_tokenize_once_and_share_the_cache(tmp_path):
+    """2 gloo processes (DDP): the main process builds the one entry while the other waits on the store,
+    then reads it (a hit); the run trains."""
+    from conftest import save_tiny_model
+    from test_distributed import QUICK_TRAIN, run_driver, write_recipe
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(QUICK_TRAIN.read_text().splitlines(keepends=True)[:32]))
+    assets = {"data": data, "model": save_tiny_model(tmp_path / "llama")}
+    cache = tmp_path / "cache"
+    recipe = write_recipe(assets, tmp_path / "out", backend="ddp", data__cache_dir=str(cache))
+    text = recipe.read_text().replace("max_steps: 4", "max_steps: 1")
+    recipe.write_text(text)
+    proc = run_driver({"cases": [{"recipe": str(recipe)}]}, tmp_path, nproc=2)
+    entries = [p.name for p in cache.iterdir()]
+    assert len(entries) == 1 and ".tmp-" not in entries[0], entries
+    assert (tmp_path / "out" / "final").is_dir()
+    log = proc.stdout + proc.stderr
+    assert log.count("data cache: built") <= 1 and "Traceback" not in log
