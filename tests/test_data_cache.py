@@ -278,3 +278,29 @@ def test_two_processes_tokenize_once_and_share_the_cache(tmp_path):
     assert (tmp_path / "out" / "final").is_dir()
     log = proc.stdout + proc.stderr
     assert log.count("data cache: built") <= 1 and "Traceback" not in log
+
+
+def test_the_recipe_reads_every_form_of_a_source(tmp_path):
+    from pydantic import ValidationError
+
+    from liger_cli.recipe.data_section import DataSection
+
+    (tmp_path / "a.jsonl").write_text("{}\n")
+    ctx = {"base_dir": tmp_path}
+    one = DataSection.model_validate({"train": "a.jsonl"}, context=ctx)
+    assert one.train == tmp_path / "a.jsonl"
+    hub = DataSection.model_validate({"train": {"path": "org/name", "split": "test"}}, context=ctx)
+    assert hub.entries()[0].path == "org/name" and hub.entries()[0].split == "test"
+    listed = DataSection.model_validate({"train": ["a.jsonl", {"path": "org/x", "weight": 2}]}, context=ctx)
+    assert [e.path for e in listed.entries()] == [tmp_path / "a.jsonl", "org/x"]
+    for bad, message in [
+        (
+            {"train": "a.jsonl", "eval": [{"path": "a.jsonl", "weight": 2}]},
+            "eval sources are each read whole",
+        ),
+        ({"train": [{"path": "a.jsonl", "format": "preference"}]}, "cannot be mixed with data.format text"),
+        ({"train": [{"path": "a.jsonl", "weight": 0}]}, "greater than 0"),
+        ({"train": "a.jsonl", "num_proc": 0}, "greater than or equal to 1"),
+    ]:
+        with pytest.raises(ValidationError, match=message):
+            DataSection.model_validate(bad, context=ctx)

@@ -1,8 +1,9 @@
 """Training data, from the recipe's `data` section to what the training loop receives.
 
-The flow: read and check every row (liger_cli.data.files) -> encode it into token ids and labels
+The flow: read and check every row of each source (liger_cli.data.sources, .files) -> encode it into token ids and labels
 (liger_cli.data.encode for text and instruction rows, liger_cli.data.chat for chat rows) -> truncate to
-max_seq_len, drop examples with nothing left to learn -> optional packing. `liger train` and
+max_seq_len, drop examples with nothing left to learn (cached per source: liger_cli.data.cache) -> the
+eval split and the weighted mixture (liger_cli.data.mix) -> optional packing. `liger train` and
 `liger data` both call `prepare_data`, so what the report shows is what training gets.
 
 Formats:
@@ -62,10 +63,11 @@ TRUNCATED_AWAY = "every learned token is past max_seq_len"
 
 class DataConfig(Protocol):
     """The recipe's `data` section (liger_cli.recipe builds it; any object with these attributes works;
-    learn_turns and learn_reasoning may be absent)."""
+    learn_turns, learn_reasoning, cache (default true), cache_dir and num_proc may be absent). train and
+    eval: a path, a Hub name, an entry {path, weight, format, split, subset} or a list of them."""
 
-    train: Path
-    eval: Path | None
+    train: object
+    eval: object | None
     eval_fraction: float | None
     format: str
     max_seq_len: int
