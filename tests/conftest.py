@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,11 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # Tests must never reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The tokenized-data cache of every test (and of every process a test starts) lives in a throwaway
+# folder, never in the user's cache.
+if "LIGER_CACHE" not in os.environ or not os.environ["LIGER_CACHE"].startswith(tempfile.gettempdir()):
+    os.environ["LIGER_CACHE"] = tempfile.mkdtemp(prefix="liger-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["LIGER_CACHE"], ignore_errors=True)
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART_MODEL = REPO / "recipes" / "quickstart" / "model"

@@ -1,8 +1,9 @@
 """Training data, from the recipe's `data` section to what the training loop receives.
 
-The flow: read and check every row (liger_cli.data.files) -> encode it into token ids and labels
+The flow: read and check every row of each source (liger_cli.data.sources, .files) -> encode it into token ids and labels
 (liger_cli.data.encode for text and instruction rows, liger_cli.data.chat for chat rows) -> truncate to
-max_seq_len, drop examples with nothing left to learn -> optional packing. `liger train` and
+max_seq_len, drop examples with nothing left to learn (cached per source: liger_cli.data.cache) -> the
+eval split and the weighted mixture (liger_cli.data.mix) -> optional packing. `liger train` and
 `liger data` both call `prepare_data`, so what the report shows is what training gets.
 
 Formats:
@@ -19,10 +20,12 @@ the file, the row and the field; problems that cannot be are UserErrors (exit 2)
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Protocol
 
+from liger_cli.data.cache import keep, look_up
 from liger_cli.data.checks import double_bos, eos_masked_as_pad, eos_masked_message
 from liger_cli.data.encode import (
     IGNORE_INDEX,
@@ -32,15 +35,11 @@ from liger_cli.data.encode import (
     pack_examples,
     truncate,
 )
-from liger_cli.data.files import (
-    FORMAT_FIELDS,
-    ROW_COLUMN,
-    load_rows,
-    quiet_datasets,
-    split_eval_fraction,
-    where,
-)
-from liger_cli.data.split import DataWarning, Split
+from liger_cli.data.files import FORMAT_FIELDS, ROW_COLUMN, quiet_datasets, where
+from liger_cli.data.mix import fraction_orders, mixture
+from liger_cli.data.preference import PAIR_COLUMNS
+from liger_cli.data.sources import Source, read_rows, sources_of
+from liger_cli.data.split import DROP_COLUMN, WARNINGS_COLUMN, DataWarning, Split, split_of
 from liger_cli.errors import UserError
 
 __all__ = ["IGNORE_INDEX", "WARNINGS", "build_datasets", "collate", "prepare_data"]
@@ -64,10 +63,11 @@ TRUNCATED_AWAY = "every learned token is past max_seq_len"
 
 class DataConfig(Protocol):
     """The recipe's `data` section (liger_cli.recipe builds it; any object with these attributes works;
-    learn_turns and learn_reasoning may be absent)."""
+    learn_turns, learn_reasoning, cache (default true), cache_dir and num_proc may be absent). train and
+    eval: a path, a Hub name, an entry {path, weight, format, split, subset} or a list of them."""
 
-    train: Path
-    eval: Path | None
+    train: object
+    eval: object | None
     eval_fraction: float | None
     format: str
     max_seq_len: int
@@ -84,7 +84,11 @@ def build_datasets(data_cfg: DataConfig, tokenizer, seed: int):
 def prepare_data(data_cfg: DataConfig, tokenizer, seed: int) -> tuple[Split, Split | None]:
     """Every user mistake (missing file, unknown extension, bad JSON, missing or mistyped field, chat
     template problems) is a UserError naming the file, the row and the field, raised before any
-    tokenizing starts (template problems: when that row is tokenized)."""
+    tokenizing starts (template problems: when that row is tokenized).
+
+    Each source is tokenized once into an encoded table (every row, kept or not), read from the cache
+    when it holds one (liger_cli.data.cache); the eval split, the mixture of several sources
+    (liger_cli.data.mix) and packing are applied to those tables, after the cache."""
     fmt = data_cfg.format
     if fmt not in FORMAT_FIELDS:
         raise UserError(f"data error: unknown data.format {fmt!r}; use one of: {', '.join(FORMAT_FIELDS)}")
@@ -92,114 +96,94 @@ def prepare_data(data_cfg: DataConfig, tokenizer, seed: int) -> tuple[Split, Spl
         raise UserError("data error: set data.eval or data.eval_fraction, not both")
     if fmt == "preference" and data_cfg.packing:
         raise UserError("data error: packing does not apply to preference pairs; set data.packing: false")
-    _check_tokenizer(tokenizer, fmt)
+    train_sources, eval_sources = sources_of(data_cfg.train, fmt), sources_of(data_cfg.eval, fmt)
+    for source in train_sources + eval_sources:
+        if (source.format == "preference") != (fmt == "preference"):
+            raise UserError(
+                f"data error: {source}: format {source.format} cannot be mixed with data.format {fmt}; "
+                "preference pairs and single examples train different objectives"
+            )
+        _check_tokenizer(tokenizer, source.format)
 
-    train_path = Path(data_cfg.train)
-    train_rows = load_rows(train_path, fmt)
-    eval_path = Path(data_cfg.eval) if data_cfg.eval is not None else None
-    eval_rows = load_rows(eval_path, fmt) if eval_path is not None else None
-    if data_cfg.eval_fraction is not None:
-        train_rows, eval_rows = split_eval_fraction(train_rows, data_cfg.eval_fraction, seed, train_path)
-        eval_path = train_path
+    # Every miss is read and validated before any tokenizing starts.
+    entries = [look_up(source, data_cfg, tokenizer) for source in train_sources + eval_sources]
+    rows = {id(e): read_rows(e.source) for e in entries if e.table is None}
+    for entry in entries:
+        if entry.table is None:
+            keep(entry, _encode(rows.pop(id(entry)), entry.source, data_cfg, tokenizer))
 
-    tokenize = _tokenize
-    if fmt == "preference":
-        from liger_cli.data.preference import tokenize_pairs as tokenize
-    train = tokenize(train_rows, train_path, data_cfg, tokenizer)
-    evald = tokenize(eval_rows, eval_path, data_cfg, tokenizer) if eval_rows is not None else None
+    train_parts, eval_parts = [], []
+    for entry in entries[: len(train_sources)]:
+        path, order = _shown_path(entry.source), None
+        if data_cfg.eval_fraction is not None:
+            order, eval_order = fraction_orders(len(entry.table), data_cfg.eval_fraction, seed, path)
+            eval_parts.append(_part(entry, data_cfg, eval_order))
+        train_parts.append(_part(entry, data_cfg, order))
+    eval_parts += [_part(entry, data_cfg, None) for entry in entries[len(train_sources) :]]
+
+    weights = [source.weight for source in train_sources]
+    train = mixture(train_parts, weights, seed) if len(train_parts) > 1 else train_parts[0]
+    evald = None
+    if eval_parts:
+        evald = mixture(eval_parts, None, seed) if len(eval_parts) > 1 else eval_parts[0]
     for split in (train, evald):
         if split is not None:
+            _finish(split, data_cfg)
             _log_warnings(split.warnings)
     return train, evald
 
 
-def encoder(data_cfg: DataConfig):
-    """The function row -> Encoded for the recipe's format and chat options."""
-    if data_cfg.format == "chat":
+def encoder(fmt: str, data_cfg: DataConfig):
+    """The function row -> Encoded for the format and the recipe's chat options."""
+    if fmt == "chat":
         from liger_cli.data.chat import encode_chat
 
         turns = getattr(data_cfg, "learn_turns", "all")
         reasoning = getattr(data_cfg, "learn_reasoning", True)
         return lambda row, tokenizer: encode_chat(row, tokenizer, turns, reasoning)
-    return {"text": encode_text, "instruction": encode_instruction}[data_cfg.format]
+    return {"text": encode_text, "instruction": encode_instruction}[fmt]
 
 
-def _tokenize(rows, path: Path, data_cfg: DataConfig, tokenizer) -> Split:
-    """Encode, truncate, drop examples with nothing to learn, note warnings, and maybe pack."""
-    encode, max_len = encoder(data_cfg), data_cfg.max_seq_len
-    split = Split(path, len(rows), None, None, max_len, data_cfg.packing)
-    answer_field = {"text": "text", "instruction": "output", "chat": "messages"}[data_cfg.format]
-    start_field = {"text": "text", "instruction": "instruction", "chat": "messages"}[data_cfg.format]
+def _shown_path(source: Source) -> Path:
+    return source.path if isinstance(source.path, Path) else Path(str(source))
 
-    def warn(code: str, row: int, field_: str, message: str) -> None:
-        split.warnings.append(DataWarning(code, path, row, field_, message))
 
-    def encode_batch(batch: dict[str, list]) -> dict[str, list]:
-        out: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": [], "row": [], "length": []}
-        kept_turns = []
-        for j in range(len(batch[ROW_COLUMN])):
-            row = {k: v[j] for k, v in batch.items()}
-            index = row[ROW_COLUMN]
-            try:
-                enc = encode(row, tokenizer)
-            except ValueError as err:  # a template problem found while rendering this row
-                raise UserError(f"data error: {path} {where(path, index)}: {err}") from None
-            for code, field_, message in enc.warnings:
-                warn(code, index, field_, message)
-            if (bos_message := double_bos(tokenizer, enc.input_ids)) is not None:
-                warn("DOUBLE_BOS", index, start_field, bos_message)
-            ids, labels = truncate(enc.input_ids, enc.labels, max_len)
-            if all(label == IGNORE_INDEX for label in labels[1:]):  # label 0 is never a prediction target
-                if any(label != IGNORE_INDEX for label in enc.labels[1:]):
-                    _count(split.dropped, TRUNCATED_AWAY)
-                else:
-                    _count(split.dropped, "nothing learned")
-                    warn("NOTHING_LEARNED", index, answer_field, "no token of this example is learned")
-                continue
-            if len(enc.input_ids) > max_len:
-                split.truncated += 1
-                if all(end > max_len for _, _, end in enc.turns):
-                    warn(
-                        "TRUNCATED_EVERY_ANSWER",
-                        index,
-                        answer_field,
-                        f"truncation at max_seq_len={max_len} cuts every answer ({len(enc.input_ids)} tokens), "
-                        "so the model never sees one end; raise data.max_seq_len",
-                    )
-            out["input_ids"].append(ids)
-            out["labels"].append(labels)
-            out["position_ids"].append(list(range(len(ids))))
-            out["row"].append(index)
-            out["length"].append(len(enc.input_ids))
-            kept_turns.append(enc.turns)
-        examples = list(zip(out["input_ids"], out["labels"], kept_turns, strict=True))
-        for k, field_ in eos_masked_as_pad(tokenizer, examples, collate):
-            warn("EOS_MASKED_AS_PAD", out["row"][k], field_, eos_masked_message(tokenizer))
-        return out
+def _encode(rows, source: Source, data_cfg: DataConfig, tokenizer):
+    """The source's encoded table: one row per source row (see split.split_of)."""
+    path = _shown_path(source)
+    if source.format == "preference":
+        from liger_cli.data.preference import encode_pairs
 
-    with quiet_datasets():
-        split.examples = rows.map(
-            encode_batch,
-            batched=True,
-            batch_size=1000,
-            remove_columns=rows.column_names,
-            load_from_cache_file=False,
-            keep_in_memory=True,
-            new_fingerprint=f"liger-{data_cfg.format}-{max_len}-{len(rows)}",
+        return encode_pairs(rows, path, data_cfg, tokenizer)
+    return _encode_rows(rows, path, source.format, data_cfg, tokenizer)
+
+
+def _part(entry, data_cfg: DataConfig, order: list[int] | None) -> Split:
+    path = _shown_path(entry.source)
+    split = split_of(entry.table, path, data_cfg.max_seq_len, data_cfg.packing, order, entry.status)
+    pairs = entry.source.format == "preference"
+    if len(split.examples) == 0:
+        raise UserError(
+            f"data error: {path}: no pair keeps a learned token on both sides after truncation at "
+            f"max_seq_len={data_cfg.max_seq_len}; raise data.max_seq_len"
+            if pairs
+            else f"data error: {path}: no example has a trainable token left after truncation at "
+            f"max_seq_len={data_cfg.max_seq_len}; raise data.max_seq_len"
         )
-    n_dropped = split.rows - len(split.examples)
     if split.dropped.get(TRUNCATED_AWAY):
         log.warning(
             "data: %s: dropped %d of %d examples with no trainable tokens left after truncation at "
             "max_seq_len=%d (raise data.max_seq_len to keep them)",
-            *(path, split.dropped[TRUNCATED_AWAY], split.rows, max_len),
+            *(path, split.dropped[TRUNCATED_AWAY], split.rows, data_cfg.max_seq_len),
         )
-    if len(split.examples) == 0:
-        raise UserError(
-            f"data error: {path}: no example has a trainable token left after truncation at "
-            f"max_seq_len={max_len}; raise data.max_seq_len"
-        )
-    split.dataset = split.examples.select_columns(["input_ids", "labels", "position_ids"])
+    return split
+
+
+def _finish(split: Split, data_cfg: DataConfig) -> None:
+    """The dataset training receives: the model's columns, packed when packing is on."""
+    columns = [c for c in ("input_ids", "labels", "position_ids") if c in split.examples.column_names]
+    split.dataset = split.examples.select_columns(columns or list(PAIR_COLUMNS))
+    max_len = data_cfg.max_seq_len
     if data_cfg.packing:
         with quiet_datasets():
             split.dataset = split.dataset.map(
@@ -209,12 +193,76 @@ def _tokenize(rows, path: Path, data_cfg: DataConfig, tokenizer) -> Split:
                 batch_size=1000,
                 load_from_cache_file=False,
                 keep_in_memory=True,
-                new_fingerprint=f"liger-packed-{data_cfg.format}-{max_len}-{len(rows)}",
+                new_fingerprint=f"liger-packed-{data_cfg.format}-{max_len}-{len(split.examples)}",
             )
-    n_tokens = sum(split.examples["length"]) if len(split.examples) else 0
+    n_tokens = sum(split.examples["length"]) if "input_ids" in split.examples.column_names else 0
     packed_into = f", packed into {len(split.dataset)} sequences" if data_cfg.packing else ""
-    log.info("data: %s: %d examples%s, %d tokens", path, split.rows - n_dropped, packed_into, n_tokens)
-    return split
+    log.info("data: %s: %d examples%s, %d tokens", split.path, len(split.examples), packed_into, n_tokens)
+
+
+def _encode_rows(rows, path: Path, fmt: str, data_cfg: DataConfig, tokenizer):
+    """Encode and truncate every row; a row with nothing left to learn is marked dropped (DROP_COLUMN),
+    every warning goes into its row's WARNINGS_COLUMN."""
+    encode, max_len = encoder(fmt, data_cfg), data_cfg.max_seq_len
+    answer_field = {"text": "text", "instruction": "output", "chat": "messages"}[fmt]
+    start_field = {"text": "text", "instruction": "instruction", "chat": "messages"}[fmt]
+
+    def encode_batch(batch: dict[str, list]) -> dict[str, list]:
+        names = ("input_ids", "labels", "position_ids", "row", "length", DROP_COLUMN, WARNINGS_COLUMN)
+        out: dict[str, list] = {name: [] for name in names}
+        notes, kept = [], []  # per row: its warnings; per kept row: (position, ids, labels, turns)
+        for j in range(len(batch[ROW_COLUMN])):
+            row = {k: v[j] for k, v in batch.items()}
+            index = row[ROW_COLUMN]
+            try:
+                enc = encode(row, tokenizer)
+            except ValueError as err:  # a template problem found while rendering this row
+                raise UserError(f"data error: {path} {where(path, index)}: {err}") from None
+            found = [list(w) for w in enc.warnings]
+            if (bos_message := double_bos(tokenizer, enc.input_ids)) is not None:
+                found.append(["DOUBLE_BOS", start_field, bos_message])
+            ids, labels = truncate(enc.input_ids, enc.labels, max_len)
+            drop = ""
+            if all(label == IGNORE_INDEX for label in labels[1:]):  # label 0 is never a prediction target
+                if any(label != IGNORE_INDEX for label in enc.labels[1:]):
+                    drop = TRUNCATED_AWAY
+                else:
+                    drop = "nothing learned"
+                    found.append(["NOTHING_LEARNED", answer_field, "no token of this example is learned"])
+                ids, labels = [], []
+            elif len(enc.input_ids) > max_len and all(end > max_len for _, _, end in enc.turns):
+                found.append([
+                    "TRUNCATED_EVERY_ANSWER",
+                    answer_field,
+                    f"truncation at max_seq_len={max_len} cuts every answer ({len(enc.input_ids)} tokens), "
+                    "so the model never sees one end; raise data.max_seq_len",
+                ])  # fmt: skip
+            if not drop:
+                kept.append((j, ids, labels, enc.turns))
+            notes.append(found)
+            out["input_ids"].append(ids)
+            out["labels"].append(labels)
+            out["position_ids"].append(list(range(len(ids))))
+            out["row"].append(index)
+            out["length"].append(len(enc.input_ids) if not drop else 0)
+            out[DROP_COLUMN].append(drop)
+        examples = [(ids, labels, turns) for _, ids, labels, turns in kept]
+        for k, field_ in eos_masked_as_pad(tokenizer, examples, collate):
+            notes[kept[k][0]].append(["EOS_MASKED_AS_PAD", field_, eos_masked_message(tokenizer)])
+        out[WARNINGS_COLUMN] = [json.dumps(found) for found in notes]
+        return out
+
+    with quiet_datasets():
+        return rows.map(
+            encode_batch,
+            batched=True,
+            batch_size=1000,
+            remove_columns=rows.column_names,
+            load_from_cache_file=False,
+            keep_in_memory=True,
+            num_proc=getattr(data_cfg, "num_proc", None),
+            new_fingerprint=f"liger-{fmt}-{max_len}-{len(rows)}",
+        )
 
 
 def _pack_batch(max_seq_len: int):
@@ -224,10 +272,6 @@ def _pack_batch(max_seq_len: int):
         return {k: [p[k] for p in packed] for k in batch}
 
     return pack
-
-
-def _count(counts: dict[str, int], key: str) -> None:
-    counts[key] = counts.get(key, 0) + 1
 
 
 def _log_warnings(warnings: list[DataWarning]) -> None:

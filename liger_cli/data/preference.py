@@ -15,12 +15,13 @@ longer than the room left (the prompt keeps at least half of max_seq_len) is cut
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from liger_cli.data.encode import IGNORE_INDEX, Encoded, _encode_with_prefix
 from liger_cli.data.files import ROW_COLUMN, quiet_datasets, where
-from liger_cli.data.split import DataWarning, Split
+from liger_cli.data.split import DROP_COLUMN, WARNINGS_COLUMN
 from liger_cli.errors import UserError
 
 SIDES = ("chosen", "rejected")
@@ -91,67 +92,54 @@ def truncate_pair(pair: EncodedPair, max_seq_len: int, bos_id: int | None) -> tu
 # --- a file of pairs ------------------------------------------------------------------------------------
 
 
-def tokenize_pairs(rows, path: Path, data_cfg, tokenizer) -> Split:
-    """Encode and truncate every pair, drop pairs with a side that has nothing left to learn, note
-    warnings. `examples` and `dataset` hold the four PAIR_COLUMNS (examples also row and lengths)."""
+def encode_pairs(rows, path: Path, data_cfg, tokenizer):
+    """Encode and truncate every pair; a pair with a side that has nothing left to learn is marked
+    dropped. One row per pair: the four PAIR_COLUMNS, row and lengths, and the DROP_COLUMN and
+    WARNINGS_COLUMN that `split_of` reads."""
     max_len = data_cfg.max_seq_len
-    split = Split(Path(path), len(rows), None, None, max_len, packing=False)
+    path = Path(path)
     learn_reasoning = getattr(data_cfg, "learn_reasoning", True)
-
-    def warn(code: str, row: int, field_: str, message: str) -> None:
-        split.warnings.append(DataWarning(code, split.path, row, field_, message))
 
     def encode_batch(batch: dict[str, list]) -> dict[str, list]:
         names = (*PAIR_COLUMNS, "row", "prompt_length", "chosen_length", "rejected_length", "length")
-        out: dict[str, list] = {name: [] for name in names}
+        out: dict[str, list] = {name: [] for name in (*names, DROP_COLUMN, WARNINGS_COLUMN)}
         for j in range(len(batch[ROW_COLUMN])):
             row = {k: v[j] for k, v in batch.items()}
             index = row[ROW_COLUMN]
             try:
                 pair = encode_pair(row, tokenizer, learn_reasoning)
             except ValueError as err:  # a template problem found while rendering this row
-                raise UserError(f"data error: {split.path} {where(split.path, index)}: {err}") from None
-            for enc in (pair.chosen, pair.rejected):
-                for code, field_, message in enc.warnings:
-                    warn(code, index, field_, message)
+                raise UserError(f"data error: {path} {where(path, index)}: {err}") from None
+            found = [list(w) for enc in (pair.chosen, pair.rejected) for w in enc.warnings]
             answers = [enc.input_ids[prompt_length(enc) :] for enc in (pair.chosen, pair.rejected)]
             if answers[0] == answers[1]:
-                warn("CHOSEN_EQUALS_REJECTED", index, "chosen", "chosen and rejected are the same answer: "
-                     "the pair teaches nothing; fix or remove the row")  # fmt: skip
-            whole, cut = truncate_pair(pair, max_len, tokenizer.bos_token_id)
-            if any(
+                found.append(["CHOSEN_EQUALS_REJECTED", "chosen", "chosen and rejected are the same answer: "
+                              "the pair teaches nothing; fix or remove the row"])  # fmt: skip
+            whole, _ = truncate_pair(pair, max_len, tokenizer.bos_token_id)
+            drop = any(
                 all(label == IGNORE_INDEX for label in enc.labels[1:])
                 for enc in (whole.chosen, whole.rejected)
-            ):
-                split.dropped["an answer is past max_seq_len"] = (
-                    split.dropped.get("an answer is past max_seq_len", 0) + 1
-                )
-                continue
-            split.truncated += cut
+            )
             for side, enc in zip(SIDES, (whole.chosen, whole.rejected), strict=True):
-                out[f"{side}_input_ids"].append(enc.input_ids)
-                out[f"{side}_labels"].append(enc.labels)
+                out[f"{side}_input_ids"].append([] if drop else enc.input_ids)
+                out[f"{side}_labels"].append([] if drop else enc.labels)
             out["row"].append(index)
             out["prompt_length"].append(prompt_length(pair.chosen))
             out["chosen_length"].append(len(answers[0]))
             out["rejected_length"].append(len(answers[1]))
             out["length"].append(max(len(pair.chosen.input_ids), len(pair.rejected.input_ids)))
+            out[DROP_COLUMN].append("an answer is past max_seq_len" if drop else "")
+            out[WARNINGS_COLUMN].append(json.dumps(found))
         return out
 
     with quiet_datasets():
-        split.examples = rows.map(
+        return rows.map(
             encode_batch,
             batched=True,
             batch_size=1000,
             remove_columns=rows.column_names,
             load_from_cache_file=False,
             keep_in_memory=True,
+            num_proc=getattr(data_cfg, "num_proc", None),
             new_fingerprint=f"liger-preference-{max_len}-{len(rows)}",
         )
-    if len(split.examples) == 0:
-        raise UserError(
-            f"data error: {split.path}: no pair keeps a learned token on both sides after truncation at "
-            f"max_seq_len={max_len}; raise data.max_seq_len"
-        )
-    split.dataset = split.examples.select_columns(list(PAIR_COLUMNS))
-    return split

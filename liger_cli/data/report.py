@@ -4,7 +4,9 @@ The data goes through `liger_cli.data.prepare_data`, the function `liger train` 
 counts, the labels and the warnings are those of the run. This module only reads the result:
 a report (counts, tokens, the share learned, packing efficiency, a length histogram, warnings),
 `--show N` (examples with the learned tokens highlighted and special tokens as written) and
-`--jsonl OUT` (the examples exactly as training receives them before packing).
+`--jsonl OUT` (the examples exactly as training receives them before packing). Each source says
+whether the tokenized-data cache had it (`cache: hit (path)`), built it, or is off; a mixture of
+several sources says each one's share of the examples and of the learned tokens.
 """
 
 from __future__ import annotations
@@ -71,7 +73,11 @@ def data_command(recipe_path: Path, overrides: list[str], show: int = 0, jsonl: 
 
 
 def report_text(name: str, split: Split) -> str:
-    """Counts, tokens, share learned, packing efficiency and a length histogram for one split."""
+    """Counts, tokens, share learned, packing efficiency and a length histogram for one split (for a
+    mixture: for each source, then each one's share of the mixture)."""
+    if split.shares:
+        parts = [report_text(f"{name} source {i + 1}", share.split) for i, share in enumerate(split.shares)]
+        return "\n\n".join([*parts, mixture_text(name, split)])
     ex = split.examples
     if is_pairs(split):
         return pairs_text(name, split)
@@ -80,7 +86,10 @@ def report_text(name: str, split: Split) -> str:
     n_learned = sum(sum(1 for label in labels[1:] if label != IGNORE_INDEX) for labels in ex["labels"])
     dropped = sum(split.dropped.values())
     why = "".join(f"\n    dropped, {reason}: {n}" for reason, n in split.dropped.items())
-    rows = len(split.dataset) if split.packing else _packed_rows(lengths, split.max_seq_len)
+    packed = (
+        split.packing and split.dataset is not None
+    )  # a mixture packs the mixed examples, not each source
+    rows = len(split.dataset) if packed else _packed_rows(lengths, split.max_seq_len)
     efficiency = n_tokens / (rows * split.max_seq_len)
     packing = (
         f"packing: {rows:,} rows of {split.max_seq_len} tokens, {efficiency:.1%} filled"
@@ -95,8 +104,41 @@ def report_text(name: str, split: Split) -> str:
         f"  length (tokens before truncation): min {min(ex['length'])}, "
         f"median {sorted(ex['length'])[len(ex) // 2]}, max {max(ex['length'])}",
         *_histogram(ex["length"], split.max_seq_len),
+        f"  cache: {split.cache}",
     ]
     return "\n".join(lines)
+
+
+def mixture_text(name: str, split: Split) -> str:
+    """Each source's share of the mixture: of its examples and of its learned tokens."""
+    learned = [_learned_per_example(share.split) for share in split.shares]
+    tokens = [sum(per[j] for j in share.taken) for per, share in zip(learned, split.shares, strict=True)]
+    total_ex, total_tok = max(len(split.examples), 1), max(sum(tokens), 1)
+    weights = sum(share.weight for share in split.shares)
+    what = "pairs" if is_pairs(split) else "examples"
+    lines = [f"{name} mixture: {len(split.examples):,} {what} per epoch from {len(split.shares)} sources"]
+    for share, n_tokens in zip(split.shares, tokens, strict=True):
+        kept = len(share.split.examples)
+        lines.append(
+            f"  {_shown(share.split.path)}: weight {share.weight:g} ({share.weight / weights:.1%}), "
+            f"{len(share.taken):,} {what} ({len(share.taken) / total_ex:.1%}, {len(share.taken) / kept:.2f}x "
+            f"its {kept:,}), learned tokens {n_tokens:,} ({n_tokens / total_tok:.1%})"
+        )
+    return "\n".join(lines)
+
+
+def _learned_per_example(split: Split) -> list[int]:
+    columns = ["chosen_labels", "rejected_labels"] if is_pairs(split) else ["labels"]
+    found = [0] * len(split.examples)
+    for column in columns:
+        for k, labels in enumerate(split.examples[column]):
+            found[k] += sum(1 for label in labels[1:] if label != IGNORE_INDEX)
+    return found
+
+
+def source_path(split: Split, k: int) -> Path:
+    """The file (or dataset) example k of the split came from."""
+    return split.shares[split.source_of[k]].split.path if split.shares else split.path
 
 
 def is_pairs(split: Split) -> bool:
@@ -118,6 +160,7 @@ def pairs_text(name: str, split: Split) -> str:
         f"  length of the longer side (tokens before truncation): min {min(ex['length'])}, "
         f"median {sorted(ex['length'])[len(ex) // 2]}, max {max(ex['length'])}",
         *_histogram(ex["length"], split.max_seq_len),
+        f"  cache: {split.cache}",
     ]
     return "\n".join(lines)
 
@@ -161,7 +204,7 @@ def show_examples(console, split: Split, tokenizer, n: int) -> None:
             cut = f", truncated from {ex['length']}" if not side and ex["length"] > len(ids) else ""
             head = f"row {ex['row'] + 1}" + (f", {side}" if side else "")
             console.print(
-                f"\n--- {split.path.name} {head}: {len(ids)} tokens{cut}, {sum(learned[1:])} learned ---"
+                f"\n--- {source_path(split, k).name} {head}: {len(ids)} tokens{cut}, {sum(learned[1:])} learned ---"
             )
             console.print(_marked(ids, learned, tokenizer, special, plain, Text()))
 
@@ -195,8 +238,10 @@ def write_jsonl(path: Path, splits) -> int:
             if split is None:
                 continue
             columns = [c for c in PAIR_COLUMNS if is_pairs(split)] or ["input_ids", "labels"]
-            for ex in split.examples:
+            for k, ex in enumerate(split.examples):
                 record = {"split": name, "row": ex["row"] + 1} | {c: ex[c] for c in columns}
+                if split.shares:
+                    record["source"] = str(source_path(split, k))
                 f.write(json.dumps(record) + "\n")
                 n += 1
     return n

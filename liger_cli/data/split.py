@@ -1,12 +1,17 @@
-"""What one data file becomes: its examples, the dataset training receives, and what the report counts."""
+"""What one data source becomes: its examples, the dataset training receives, and what the report counts."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from liger_cli.data.files import where
+
+# Columns of an encoded table (one row per source row, cached) that `split_of` turns into counts.
+DROP_COLUMN = "drop"  # why the row was dropped ("" when kept)
+WARNINGS_COLUMN = "warnings"  # the row's warnings: a JSON list of [code, field, message]
 
 
 @dataclass
@@ -22,9 +27,20 @@ class DataWarning:
 
 
 @dataclass
+class Share:
+    """One source's part of a mixture: its own split, its weight, and which of its examples the mixture
+    takes (indices into `split.examples`, repeated where the weight asks for more than it has)."""
+
+    split: Split
+    weight: float
+    taken: list[int]
+
+
+@dataclass
 class Split:
-    """One file's data after encoding: the examples before packing (with their file row and length
-    before truncation) and the dataset training receives, plus counts for the report."""
+    """One source's data after encoding (or a mixture of several): the examples before packing (with
+    their file row and length before truncation) and the dataset training receives, plus counts for
+    the report."""
 
     path: Path
     rows: int
@@ -35,3 +51,33 @@ class Split:
     truncated: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
     warnings: list[DataWarning] = field(default_factory=list)
+    cache: str = "off"
+    """What the tokenized-data cache did: "hit (path)", "built (path)" or "off"."""
+    shares: list[Share] = field(default_factory=list)
+    """A mixture's sources (empty for one source)."""
+    source_of: list[int] = field(default_factory=list)
+    """In a mixture: example i came from shares[source_of[i]]."""
+
+
+def split_of(
+    table, path: Path, max_seq_len: int, packing: bool, order: list[int] | None, cache: str
+) -> Split:
+    """The Split of the table's rows at `order` (all, in order, when None): kept examples in that order,
+    dropped rows counted by reason, warnings, truncations."""
+    drops = table.data.column(DROP_COLUMN).to_pylist()
+    notes = table.data.column(WARNINGS_COLUMN).to_pylist()
+    rows = table.data.column("row").to_pylist()
+    lengths = table.data.column("length").to_pylist()
+    order = range(len(table)) if order is None else order
+    split = Split(path, len(order), None, None, max_seq_len, packing, cache=cache)
+    kept = []
+    for i in order:
+        for code, field_, message in json.loads(notes[i]) if notes[i] else []:
+            split.warnings.append(DataWarning(code, path, rows[i], field_, message))
+        if drops[i]:
+            split.dropped[drops[i]] = split.dropped.get(drops[i], 0) + 1
+            continue
+        kept.append(i)
+        split.truncated += lengths[i] > max_seq_len
+    split.examples = table.select(kept, keep_in_memory=True).remove_columns([DROP_COLUMN, WARNINGS_COLUMN])
+    return split

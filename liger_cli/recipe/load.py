@@ -279,9 +279,9 @@ def _check_paths(recipe: Recipe, source: str) -> None:
     if model.tokenizer is not None and not model.tokenizer.exists():
         raise UserError(f"{source}: model.tokenizer not found: {model.tokenizer}")
     for key in ("train", "eval"):
-        path = getattr(recipe.data, key)
-        if path is not None and not path.is_file():
-            raise UserError(f"{source}: data.{key} file not found: {path}")
+        for entry in recipe.data.entries(key):  # Hub names (str) are looked up when the data is read
+            if isinstance(entry.path, Path) and not entry.path.exists():
+                raise UserError(f"{source}: data.{key} file not found: {entry.path}")
     if (
         recipe.distributed.accelerate_config is not None
         and not recipe.distributed.accelerate_config.is_file()

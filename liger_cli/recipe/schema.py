@@ -9,32 +9,18 @@ Relative paths resolve against the recipe file's folder, so a recipe works from 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
     Field,
     ValidationInfo,
     field_validator,
     model_validator,
 )
 
-
-def _resolve(value: Path | None, info: ValidationInfo) -> Path | None:
-    """Anchor a relative path at the recipe's folder (passed as validation context)."""
-    if value is None:
-        return None
-    value = value.expanduser()
-    base = (info.context or {}).get("base_dir")
-    if not value.is_absolute() and base is not None:
-        value = Path(base) / value
-    return Path(value).resolve() if value.is_absolute() else value
-
-
-RelPath = Annotated[Path, AfterValidator(_resolve)]
+from liger_cli.recipe.base import RelPath, _Section
+from liger_cli.recipe.data_section import DataSection
 
 
 def _split_names(value: Any) -> Any:
@@ -51,10 +37,6 @@ def _split_names(value: Any) -> Any:
         elif not isinstance(item, str):
             return value
     return names or None
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class ModelSection(_Section):
@@ -108,33 +90,6 @@ class AdapterSection(_Section):
                 f"got {value!r}; use all-linear or a list of module names, for example [q_proj, v_proj]"
             )
         return names
-
-
-class DataSection(_Section):
-    train: RelPath
-    eval: RelPath | None = None
-    eval_fraction: float | None = Field(None, gt=0, lt=1)
-    format: Literal["text", "instruction", "chat", "preference"] = "text"
-    max_seq_len: int = Field(1024, ge=8)
-    packing: bool = False
-    learn_turns: Literal["all", "last"] = "all"
-    """chat: learn every assistant turn, or only the last one (earlier turns become context)."""
-    learn_reasoning: bool = True
-    """chat: learn the <think>...</think> blocks of assistant turns, or mask them out of the loss."""
-
-    @model_validator(mode="after")
-    def _one_eval(self) -> DataSection:
-        if self.eval is not None and self.eval_fraction is not None:
-            raise ValueError("set at most one of data.eval and data.eval_fraction")
-        if self.format != "chat" and self.learn_turns != "all":
-            raise ValueError(
-                "data.learn_turns applies to format: chat only; remove it or set data.format: chat"
-            )
-        if self.format not in ("chat", "preference") and not self.learn_reasoning:
-            raise ValueError(
-                "data.learn_reasoning applies to formats chat and preference only; remove it or set data.format"
-            )
-        return self
 
 
 class TrainingSection(_Section):

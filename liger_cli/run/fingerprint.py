@@ -7,27 +7,15 @@ data (files and their content), seed, batch sizes, process count and backend. `t
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
+from liger_cli.data.hashing import sha256_of
+from liger_cli.data.sources import content_hash, sources_of
 from liger_cli.errors import UserError
 from liger_cli.recipe import Recipe
 
 FINGERPRINT_FILE = "run.json"
-
-
-def sha256_of(path: Path) -> str:
-    """The sha256 of a file's bytes, or of every file under a folder (names and bytes, in order)."""
-    digest = hashlib.sha256()
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    for file in files:
-        if path.is_dir():
-            digest.update(str(file.relative_to(path)).encode() + b"\0")
-        with file.open("rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-    return digest.hexdigest()
 
 
 def fingerprint(recipe: Recipe, num_processes: int, backend: str) -> dict:
@@ -35,14 +23,14 @@ def fingerprint(recipe: Recipe, num_processes: int, backend: str) -> dict:
     m, d, t = recipe.model, recipe.data, recipe.training
     source = Path(m.path or m.config)
     config = source / "config.json" if source.is_dir() else source
-    data = d.model_dump(mode="json")
+    data = d.model_dump(mode="json", exclude={"cache", "cache_dir", "num_proc"})  # how, not what
     found = {
         "model": str(source.resolve()),
         "model.config sha256": sha256_of(config) if config.is_file() else None,
         "adapter": recipe.adapter.model_dump(mode="json"),
         "data": data,
-        "data.train sha256": sha256_of(Path(d.train)),
-        "data.eval sha256": sha256_of(Path(d.eval)) if d.eval is not None else None,
+        "data.train sha256": _data_hashes(d.train, d.format),
+        "data.eval sha256": _data_hashes(d.eval, d.format),
         "training.seed": t.seed,
         "training.micro_batch_size": t.micro_batch_size,
         "training.grad_accum": t.grad_accum,
@@ -50,6 +38,16 @@ def fingerprint(recipe: Recipe, num_processes: int, backend: str) -> dict:
         "distributed.backend": backend,
     }
     return json.loads(json.dumps(found))  # exactly what a JSON round trip gives back
+
+
+def _data_hashes(value, fmt: str):
+    """One source: its content hash (as before lists existed); a list: [source, weight, hash] each."""
+    sources = sources_of(value, fmt)
+    if not sources:
+        return None
+    if not isinstance(value, list) and sources[0].weight == 1:
+        return content_hash(sources[0])
+    return [[str(s), s.weight, content_hash(s)] for s in sources]
 
 
 def write_fingerprint(folder: Path, found: dict) -> None:

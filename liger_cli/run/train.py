@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from liger_cli.data import build_datasets
 from liger_cli.data.batches import StepBatches, total_steps
+from liger_cli.data.sources import local_paths
 from liger_cli.data.tokenizer import load_tokenizer
 from liger_cli.errors import RunFailed, UserError
 from liger_cli.model import build_model, count_parameters, model_dtype
@@ -40,6 +41,7 @@ from liger_cli.run.fingerprint import check_same_run, fingerprint
 from liger_cli.run.metrics import MemoryWatch, MetricsLog, peak_memory_mb
 from liger_cli.run.output_dir import OutputDecision, claim_output
 from liger_cli.run.reference import precompute_for
+from liger_cli.run.shared_data import build_once
 
 FINAL_METRICS = "final_metrics.json"
 
@@ -114,7 +116,8 @@ def check_output(recipe: Recipe) -> OutputDecision:
     from transformers import set_seed
 
     out, m, d = recipe.output, recipe.model, recipe.data
-    inputs = tuple(p for p in (m.path, m.config, m.tokenizer, d.train, d.eval) if p is not None)
+    sources = local_paths(d.train) + local_paths(d.eval)
+    inputs = tuple(p for p in (m.path, m.config, m.tokenizer, *sources) if p is not None)
     decision = output_dir.check_output(out.dir, out.resume, out.overwrite, inputs)
     set_seed(recipe.training.seed)
     return decision
@@ -124,7 +127,9 @@ def load_data(recipe: Recipe, accelerator) -> Data:
     """Tokenizer and datasets, all checked before the model is built; this rank's batches."""
     t = recipe.training
     tokenizer = load_tokenizer(recipe)
-    train_ds, eval_ds = build_datasets(recipe.data, tokenizer, t.seed)
+    train_ds, eval_ds = build_once(
+        accelerator, recipe.data, lambda: build_datasets(recipe.data, tokenizer, t.seed)
+    )
     world = accelerator.num_processes
     batches = StepBatches(len(train_ds), t.micro_batch_size, world, accelerator.process_index, t.seed)
     if batches.micro_per_epoch == 0:

@@ -1,0 +1,116 @@
+"""The recipe's `data` section: its sources (paths, Hub names, weighted lists) and encoding options."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator, Field, ValidationInfo, model_validator
+
+from liger_cli.recipe.base import RelPath, _resolve, _Section
+
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+def _data_path(value: Any, info: ValidationInfo) -> Any:
+    """A data source: a local file or folder (a Path, anchored like every path), or a Hub dataset name
+    (kept as the str it is): a name like `org/name` with no data-file suffix that is not a local path."""
+    if (
+        isinstance(value, str)
+        and _HUB_NAME.fullmatch(value)
+        and Path(value).suffix.lower() not in DATA_SUFFIXES
+    ):
+        base = (info.context or {}).get("base_dir")
+        if not (Path(base) / value if base is not None else Path(value)).exists():
+            return value
+    if isinstance(value, str | Path):
+        return _resolve(Path(value), info)
+    return value
+
+
+DataPath = Annotated[Path | str, BeforeValidator(_data_path)]
+
+
+class DataSource(_Section):
+    """One entry of a data.train / data.eval list."""
+
+    path: DataPath
+    """A local file, a local dataset folder, or a Hub dataset name."""
+    weight: float = Field(1.0, gt=0)
+    """train only: the source's share of the mixture's examples is weight / (sum of weights)."""
+    format: Literal["text", "instruction", "chat", "preference"] | None = None
+    """The source's own format when it differs from data.format."""
+    split: str | None = None
+    """A Hub dataset's (or a saved DatasetDict's) split; default train."""
+    subset: str | None = None
+    """A Hub dataset's configuration (subset) name."""
+
+
+def _entries(value: Any) -> Any:
+    """A list's plain paths are entries with that path."""
+    if isinstance(value, list):
+        return [{"path": item} if isinstance(item, str | Path) else item for item in value]
+    return value
+
+
+Sources = Annotated[DataPath | DataSource | list[DataSource], BeforeValidator(_entries)]
+
+
+class DataSection(_Section):
+    train: Sources
+    """A path or Hub name, one entry {path, weight, format, split, subset}, or a list of entries."""
+    eval: Sources | None = None
+    eval_fraction: float | None = Field(None, gt=0, lt=1)
+    format: Literal["text", "instruction", "chat", "preference"] = "text"
+    max_seq_len: int = Field(1024, ge=8)
+    packing: bool = False
+    learn_turns: Literal["all", "last"] = "all"
+    """chat: learn every assistant turn, or only the last one (earlier turns become context)."""
+    learn_reasoning: bool = True
+    """chat: learn the <think>...</think> blocks of assistant turns, or mask them out of the loss."""
+    cache: bool = True
+    """Keep the tokenized examples on disk, keyed by what they depend on, and read them back."""
+    cache_dir: RelPath | None = None
+    """Where the cache lives; default $LIGER_CACHE/data, else ~/.cache/liger/data (XDG_CACHE_HOME)."""
+    num_proc: int | None = Field(None, ge=1)
+    """Processes that tokenize in parallel (datasets' map num_proc)."""
+
+    def entries(self, which: str = "train") -> list[DataSource]:
+        value = self.train if which == "train" else self.eval
+        if value is None:
+            return []
+        return [v if isinstance(v, DataSource) else DataSource(path=v) for v in _as_list(value)]
+
+    @model_validator(mode="after")
+    def _one_eval(self) -> DataSection:
+        if self.eval is not None and self.eval_fraction is not None:
+            raise ValueError("set at most one of data.eval and data.eval_fraction")
+        formats = {self.format} | {e.format for e in self.entries() + self.entries("eval") if e.format}
+        if "chat" not in formats and self.learn_turns != "all":
+            raise ValueError(
+                "data.learn_turns applies to format: chat only; remove it or set data.format: chat"
+            )
+        if not formats & {"chat", "preference"} and not self.learn_reasoning:
+            raise ValueError(
+                "data.learn_reasoning applies to formats chat and preference only; remove it or set data.format"
+            )
+        for which in ("train", "eval"):
+            for i, entry in enumerate(self.entries(which)):
+                if entry.format is not None and (entry.format == "preference") != (
+                    self.format == "preference"
+                ):
+                    raise ValueError(
+                        f"data.{which}[{i}].format {entry.format} cannot be mixed with data.format "
+                        f"{self.format}: preference pairs and single examples train different objectives"
+                    )
+                if which == "eval" and entry.weight != 1:
+                    raise ValueError(
+                        f"data.eval[{i}].weight: eval sources are each read whole, once; remove the weight"
+                    )
+        return self
+
+
+def _as_list(value: Any) -> list:
+    return value if isinstance(value, list) else [value]
