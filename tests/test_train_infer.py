@@ -171,7 +171,13 @@ def test_eos_masked_as_pad_fires_only_where_the_collation_masks_it(tmp_path, mon
     path = tmp_path / f"{fmt}.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = SimpleNamespace(
-        train=path, eval=None, eval_fraction=None, format=fmt, max_seq_len=128, packing=False
+        train=path,
+        eval=None,
+        eval_fraction=None,
+        format=fmt,
+        max_seq_len=128,
+        packing=False,
+        cache=False,  # the collation is swapped below: a cached table would hold the first one's warnings
     )
 
     def codes_with(pad: str, collation) -> list[tuple[str, int, str]]:
