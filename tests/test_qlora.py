@@ -246,3 +246,31 @@ def test_plain_run_has_no_bitsandbytes_notice(tiny_model_dir: Path, tmp_path: Pa
     )
     if bnb.functional.has_avx512bf16():
         assert "kernels-community" in bare.stderr
+
+
+# --- two real processes --------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(400)
+def test_ddp_two_processes_train_the_one_process_qlora(tmp_path: Path) -> None:
+    """QLoRA under DDP with 2 processes on gloo: per-step losses, eval losses and the saved adapter equal a
+    1-process run with the same global batch; each rank's final check reloads onto the 4-bit base."""
+    from test_distributed import QUICK_TRAIN, assert_same_run, losses, run_driver, write_recipe
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(QUICK_TRAIN.read_text().splitlines(keepends=True)[:64]))
+    assets = {
+        "model": save_tiny_model(tmp_path / "tiny64", hidden_size=64, intermediate_size=128),
+        "data": data,
+    }
+    over = {"model__quantize": "nf4", "data__eval_fraction": 0.125, "training__eval_every": 2}
+    (tmp_path / "ref").mkdir()
+    (tmp_path / "ddp").mkdir()
+    ref = write_recipe(assets, tmp_path / "ref" / "out", **over)
+    ddp = write_recipe(assets, tmp_path / "ddp" / "out", "ddp", **over)
+    run_driver({"cases": [{"recipe": str(ref)}]}, tmp_path / "ref", nproc=1)
+    proc = run_driver({"cases": [{"recipe": str(ddp)}]}, tmp_path / "ddp", nproc=2, timeout=360)
+    assert "DDP: gradients all-reduced over 2 processes" in proc.stdout + proc.stderr
+    assert_same_run(tmp_path / "ddp" / "out", tmp_path / "ref" / "out")
+    got, want = (losses(tmp_path / d / "out", "eval_loss") for d in ("ddp", "ref"))
+    assert len(want) >= 2 and got == pytest.approx(want, abs=1e-5, rel=0)
