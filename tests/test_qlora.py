@@ -274,3 +274,28 @@ def test_ddp_two_processes_train_the_one_process_qlora(tmp_path: Path) -> None:
     assert_same_run(tmp_path / "ddp" / "out", tmp_path / "ref" / "out")
     got, want = (losses(tmp_path / d / "out", "eval_loss") for d in ("ddp", "ref"))
     assert len(want) >= 2 and got == pytest.approx(want, abs=1e-5, rel=0)
+
+
+@pytest.mark.parametrize("double", [True, False])
+def test_memory_plan_counts_4bit_bytes(double: bool) -> None:
+    """--dry-run's parameters: the 4-bit base as bitsandbytes stores it (the loaded model's state dict)
+    plus the adapter, within 1%."""
+    import json
+
+    from test_train import REPO
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    recipe = REPO / "recipes" / "qlora.yaml"
+    proc = liger(
+        "train", str(recipe), "--dry-run", "--json", "--set", f"model.quantize_double={str(double).lower()}"
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    planned = json.loads(proc.stdout)["memory"]["components"]["parameters"]
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=double,
+                                bnb_4bit_compute_dtype=torch.float32)  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(
+        REPO / "recipes" / "quickstart" / "model", quantization_config=config
+    )
+    stored = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    adapter = 74_752 * 4  # r 16 on every linear layer, fp32 (the run's log: 74,752 trainable)
+    assert planned == pytest.approx(stored + adapter, rel=0.01)
