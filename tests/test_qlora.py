@@ -299,3 +299,11 @@ def test_memory_plan_counts_4bit_bytes(double: bool) -> None:
     stored = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     adapter = 74_752 * 4  # r 16 on every linear layer, fp32 (the run's log: 74,752 trainable)
     assert planned == pytest.approx(stored + adapter, rel=0.01)
+
+
+def test_without_bitsandbytes_is_a_user_error(monkeypatch, tiny_model_dir: Path, tmp_path: Path) -> None:
+    from liger_cli.model.quantize import require_bitsandbytes
+
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # `import bitsandbytes` raises ImportError
+    with pytest.raises(UserError, match="model.quantize nf4 needs bitsandbytes, which does not load here"):
+        require_bitsandbytes(recipe_for(tiny_model_dir, tmp_path, quantize="nf4"))
