@@ -31,6 +31,9 @@ def _user_errors(command):
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
+        from liger_cli.process_state import silence_hub_kernel_notice
+
+        silence_hub_kernel_notice()  # before anything imports peft (which imports bitsandbytes)
         try:
             return command(*args, **kwargs)
         except UserError as err:
@@ -179,11 +182,18 @@ def merge(
     """Merge a run's LoRA adapter into its base model and save the full model (save_pretrained)."""
     from liger_cli.merge import merge_adapter
 
-    diff = merge_adapter(run_dir, out_dir, overwrite=overwrite)
+    result = merge_adapter(run_dir, out_dir, overwrite=overwrite)
     typer.echo(f"merged model written to {out_dir}")
+    base = "the full-precision base + adapter" if result.quantized else "base + adapter"
     typer.echo(
-        f"merge verified: the merged model reloaded gives base + adapter's logits on a probe batch (largest difference {diff:.2g})"
+        f"merge verified: the merged model reloaded gives {base}'s logits on a probe batch (largest difference {result.diff:.2g})"
     )
+    if result.quantized:
+        typer.echo(
+            f"QLoRA: the run trained on a {result.quantized} 4-bit base; the merge is into the full-precision "
+            f"base. Largest logit difference, adapter on the 4-bit base vs merged: {result.quantized_diff:.3g} "
+            "(the base's quantization error, not checked)"
+        )
 
 
 @app.command()

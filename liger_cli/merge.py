@@ -11,7 +11,12 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import yaml
 
 from liger_cli.errors import UserError
 from liger_cli.run import verify
@@ -52,18 +57,26 @@ def check_merge(run_dir: Path, out_dir: Path, overwrite: bool) -> tuple[Path, st
     return adapter_dir, base
 
 
-def merge_adapter(run_dir: Path, out_dir: Path, overwrite: bool = False) -> float:
+def merge_adapter(run_dir: Path, out_dir: Path, overwrite: bool = False) -> MergeResult:
     """Merge a finished run's adapter into its base model and save the full model. The merged model,
     reloaded from disk, must give base + adapter's logits on a probe batch (`run/verify.py`) before
-    OUT_DIR is written; returns the largest logit difference."""
+    OUT_DIR is written; returns the largest logit difference.
+
+    A QLoRA run (model.quantize in its recipe.yaml) merges into the full-precision base from disk, never
+    into its 4-bit weights (re-quantizing the merge loses the adapter's update); the same check holds,
+    and the largest logit difference between the adapter on the 4-bit base (what was trained) and the
+    merged model is reported: the base's quantization error, which a full-precision merge cannot have."""
     run_dir, out_dir = Path(run_dir), Path(out_dir)
-    adapter_dir, _ = check_merge(run_dir, out_dir, overwrite)
+    adapter_dir, base = check_merge(run_dir, out_dir, overwrite)
+    quantized = quantization_of(run_dir)
     from peft import AutoPeftModelForCausalLM
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    # Always the full-precision base as it is on disk (a QLoRA run's too: never its 4-bit weights).
     adapted = AutoPeftModelForCausalLM.from_pretrained(adapter_dir, dtype="auto")
     probe = verify.random_probe(adapted.config.vocab_size)
     expected = verify.logits_of(adapted, probe)
+    on_4bit = adapter_on_4bit_logits(adapter_dir, base, quantized, probe) if quantized else None
     model = adapted.merge_and_unload()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
@@ -84,4 +97,52 @@ def merge_adapter(run_dir: Path, out_dir: Path, overwrite: bool = False) -> floa
         tmp.rename(out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return diff
+    if on_4bit is None:
+        return MergeResult(diff)
+    return MergeResult(diff, verify.logit_difference(on_4bit, verify.logits_of(merged, probe))[0], quantized)
+
+
+@dataclass(frozen=True)
+class MergeResult:
+    diff: float
+    """Largest logit difference, merged (reloaded) against the full-precision base + adapter."""
+    quantized_diff: float | None = None
+    """QLoRA: largest logit difference, merged against the adapter on the 4-bit base it was trained on
+    (the base's quantization error: reported, not a failure)."""
+    quantized: str | None = None
+
+
+def quantization_of(run_dir: Path) -> str | None:
+    """The 4-bit quantization the run trained on ("nf4" / "fp4", from its recipe.yaml), or None."""
+    recipe = run_dir / "recipe.yaml"
+    if not recipe.is_file():
+        return None
+    try:
+        model = (yaml.safe_load(recipe.read_text()) or {}).get("model") or {}
+    except yaml.YAMLError:
+        return None
+    found = model.get("quantize", "none")
+    return None if found in (None, "none") else found
+
+
+def adapter_on_4bit_logits(adapter_dir: Path, base: str, quantized: str, probe) -> torch.Tensor:
+    """The adapter on the 4-bit base, loaded as the run loaded it: what was trained, on the probe."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from liger_cli.model import quantize as q
+    from liger_cli.model.build import DTYPES
+
+    settings = yaml.safe_load((adapter_dir.parent / "recipe.yaml").read_text())["model"]
+    q.require_bitsandbytes(SimpleNamespace(model=SimpleNamespace(quantize=quantized)))
+    dtype = DTYPES.get(settings.get("dtype"), torch.float32)
+    config = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=quantized,
+        bnb_4bit_use_double_quant=settings.get("quantize_double", True),
+        bnb_4bit_compute_dtype=dtype,
+    )
+    kwargs = {k: settings[k] for k in ("trust_remote_code", "attn_implementation") if settings.get(k)}
+    model = AutoModelForCausalLM.from_pretrained(base, quantization_config=config, dtype=dtype, **kwargs)
+    q.keep_exact_backward(model)
+    return verify.logits_of(PeftModel.from_pretrained(model, adapter_dir), probe)

@@ -144,6 +144,27 @@ def clean_parameter_name(name: str) -> str:
     return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
 
 
+HUB_KERNEL_NOTICE = "Failed to load CPU gemm_4bit_forward from kernels-community"
+_BNB_CPU_LOGGER = "bitsandbytes.backends.cpu.ops"
+
+
+def _not_hub_kernel_notice(record) -> bool:
+    return not str(record.msg).startswith(HUB_KERNEL_NOTICE)
+
+
+def silence_hub_kernel_notice() -> None:
+    """bitsandbytes' CPU backend tries, when imported, to fetch a kernel from the Hugging Face hub and
+    logs HUB_KERNEL_NOTICE when it cannot (its own CPU code then runs). peft imports bitsandbytes
+    whenever it is installed, so that line would land on every run's stderr, quantized or not. Only
+    that one message of that one logger is dropped; anything else it says still shows. Cheap (no
+    import of bitsandbytes): call it before peft or bitsandbytes is imported."""
+    import logging
+
+    logger = logging.getLogger(_BNB_CPU_LOGGER)
+    if _not_hub_kernel_notice not in logger.filters:
+        logger.addFilter(_not_hub_kernel_notice)
+
+
 def quiet_libraries() -> None:
     """Our own progress and metrics lines are the run's log: silence libraries' bars and notices."""
     import logging
@@ -151,6 +172,7 @@ def quiet_libraries() -> None:
 
     from transformers.utils import logging as hf_logging
 
+    silence_hub_kernel_notice()
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)

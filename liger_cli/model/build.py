@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+import liger_cli.model.quantize as quantize
 from liger_cli.errors import UserError
 from liger_cli.recipe import Recipe
 
@@ -80,8 +81,12 @@ def load_base_model(recipe: Recipe) -> nn.Module:
     kwargs = {"dtype": model_dtype(recipe), "trust_remote_code": m.trust_remote_code}
     if m.attn_implementation:
         kwargs["attn_implementation"] = m.attn_implementation
+    if m.quantize != "none":  # QLoRA (quantize.py); the schema allows it with model.path only
+        kwargs["quantization_config"] = quantize.quantization_config(recipe, kwargs["dtype"])
     if m.path is not None:
         model = AutoModelForCausalLM.from_pretrained(m.path, **kwargs, **m.load_kwargs)
+        if m.quantize != "none":
+            quantize.keep_exact_backward(model)
     else:
         torch.manual_seed(recipe.training.seed)
         model = AutoModelForCausalLM.from_config(read_config(m.config, m.trust_remote_code), **kwargs)
@@ -111,6 +116,8 @@ def add_adapter(model: nn.Module, recipe: Recipe, low_cpu_mem_usage: bool = Fals
         return model
     from peft import get_peft_model
 
+    if recipe.model.quantize != "none" and not low_cpu_mem_usage:
+        model = quantize.prepare_for_training(model)
     try:
         return get_peft_model(model, _peft_config(recipe), low_cpu_mem_usage=low_cpu_mem_usage)
     except ValueError as err:
@@ -156,15 +163,21 @@ def patch_kernels(model: nn.Module, plan: Decisions) -> tuple[str, ...]:
 
 def twin_adapter(recipe: Recipe):
     """For the kernel check's tiny twin: the recipe's adapter with random (not zero) LoRA B, so the
-    adapter's path changes the outputs and its gradients are compared too; None without an adapter."""
+    adapter's path changes the outputs and its gradients are compared too; None without an adapter.
+    With model.quantize the twin's linear layers are quantized first, so our kernels are compared on
+    the model as it will run."""
     if recipe.adapter.type == "none":
         return None
     from peft import get_peft_model
 
     config = _peft_config(recipe)
     config.init_lora_weights = False
+    m = recipe.model
 
     def add(model: nn.Module) -> nn.Module:
+        if m.quantize != "none":  # the twin's linear layers in 4 bits, as the run's base is loaded
+            quantize.require_bitsandbytes(recipe)
+            quantize.quantize_linears(model, m.quantize, m.quantize_double)
         return get_peft_model(model, config)
 
     return add
@@ -202,7 +215,14 @@ def meta_twin(peft_model: nn.Module) -> nn.Module:
 def count_parameters(model: nn.Module) -> tuple[int, int]:
     """(trainable, total), counting a tied weight once."""
     seen: dict[int, nn.Parameter] = {id(p): p for p in model.parameters()}
-    size = {key: getattr(p, "ds_numel", p.numel()) for key, p in seen.items()}  # ZeRO-3: the full size
+    size = {key: _numel(p) for key, p in seen.items()}
     total = sum(size.values())
     trainable = sum(size[key] for key, p in seen.items() if p.requires_grad)
     return trainable, total
+
+
+def _numel(p: nn.Parameter) -> int:
+    """The parameter's element count: ZeRO-3's full size; a 4-bit weight's unpacked size (two a byte)."""
+    if quantize.is_4bit(p) and getattr(p, "quant_state", None) is not None:
+        return p.quant_state.shape.numel()
+    return getattr(p, "ds_numel", p.numel())

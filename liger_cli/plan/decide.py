@@ -48,6 +48,8 @@ class Plan:
     wrap_classes: tuple[str, ...] | None = None
     """FSDP wrap classes, resolved on the model (None: the backend does not wrap)."""
     wrap_source: str | None = None
+    quantize: str = "none"
+    """The base's 4-bit quantization (QLoRA), or none."""
     notes: tuple[str, ...] = ()
 
     @property
@@ -65,6 +67,7 @@ class Plan:
             ("processes", f"{self.num_processes} on {self.num_machines} machine(s)"),
             ("device / precision", f"{self.device} / {self.precision}"),
             ("model", self.model),
+            *([("quantize", self.quantize)] if self.quantize != "none" else []),
             ("adapter", self.adapter),
             ("kernels requested", ", ".join(on) or "none"),
             ("activation ckpt", f"{self.activation_checkpointing} ({self.activation_checkpointing_reason})"),
@@ -118,6 +121,7 @@ def build_plan(recipe: Recipe, model: nn.Module | None = None, env: Mapping[str,
     m = recipe.model
     notes: list[str] = []
     config = _read_config(recipe)
+    quantize = _quantize(recipe)
     if recipe.kernels.check and any(kernels.values()):
         check = _check_kernels(recipe, config, kernels)
         kernels, kernels_off = check.kernels, check.switched_off
@@ -150,8 +154,21 @@ def build_plan(recipe: Recipe, model: nn.Module | None = None, env: Mapping[str,
         length=f"{t.max_steps} optimizer steps" if t.max_steps else f"{t.epochs or 1:g} epoch(s)",
         wrap_classes=wrap_classes,
         wrap_source=wrap_source,
+        quantize=quantize,
         notes=tuple(notes),
     )
+
+
+def _quantize(recipe: Recipe) -> str:
+    """The Plan's quantize row; a quantized recipe on a machine where bitsandbytes does not load is a
+    UserError here, before anything runs."""
+    if recipe.model.quantize == "none":
+        return "none"
+    from liger_cli.model import model_dtype
+    from liger_cli.model import quantize as q
+
+    q.require_bitsandbytes(recipe)
+    return q.describe(recipe, model_dtype(recipe))
 
 
 def _read_config(recipe: Recipe):

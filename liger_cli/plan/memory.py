@@ -297,13 +297,18 @@ def measure_facts(recipe: Recipe, plan: Plan, model: nn.Module) -> Facts:
     from liger_cli.plan.wrap import resolve_wrap_classes
 
     params = {id(p): p for p in model.parameters()}  # a tied weight once
-    param_bytes = sum(p.numel() * p.element_size() for p in params.values())
+    four_bit = _four_bit_bytes(recipe, model)
+
+    def nbytes(p) -> int:
+        return four_bit.get(id(p), p.numel() * p.element_size())
+
+    param_bytes = sum(nbytes(p) for p in params.values())
     trainable = sum(p.numel() * p.element_size() for p in params.values() if p.requires_grad)
     classes = plan.wrap_classes
     if classes is None:
         classes = tuple(resolve_wrap_classes(model, None, env={}).classes)
     layers = [m for m in model.modules() if type(m).__name__ in classes]
-    unit_bytes = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers]
+    unit_bytes = [sum(nbytes(p) for p in layer.parameters()) for layer in layers]
     root = param_bytes - sum(unit_bytes)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     head = base.get_output_embeddings()
@@ -330,3 +335,22 @@ def measure_facts(recipe: Recipe, plan: Plan, model: nn.Module) -> Facts:
         device=plan.device,
         unmeasured=unmeasured,
     )
+
+
+def _four_bit_bytes(recipe: Recipe, model: nn.Module) -> dict[int, int]:
+    """QLoRA: what each base linear weight takes in 4 bits (id -> bytes), as bitsandbytes stores it:
+    two weights a byte, one absmax per 64-weight block (a uint8 with double quantization, plus one
+    float32 per 256 blocks and its 256-value code; float32 without), and the 16-value code. lm_head and
+    the adapter's own layers stay as they are (tested against a loaded model's state dict)."""
+    if recipe.model.quantize == "none":
+        return {}
+    double = recipe.model.quantize_double
+    found = {}
+    for name, module in model.named_modules():
+        if type(module) is not nn.Linear or "lora_" in name or name.rsplit(".", 1)[-1] == "lm_head":
+            continue
+        n = module.weight.numel()
+        blocks = -(-n // 64)
+        scales = blocks + 4 * -(-blocks // 256) + 256 * 4 if double else 4 * blocks  # + the nested code
+        found[id(module.weight)] = n // 2 + scales + 16 * 4  # + the 16-value code (quant_map)
+    return found

@@ -50,6 +50,10 @@ class ModelSection(_Section):
     tokenizer: RelPath | None = None
     load_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Passed to from_pretrained untouched (see docs/field-failures.md#zero-3-loading-drops-an-argument)."""
+    quantize: Literal["none", "nf4", "fp4"] = "none"
+    """QLoRA: load the base's linear layers in 4 bits through bitsandbytes (compute in model.dtype)."""
+    quantize_double: bool = True
+    """Quantize the 4-bit blocks' scales too (double quantization); only with quantize nf4/fp4."""
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSection:
@@ -64,6 +68,18 @@ class ModelSection(_Section):
         if (self.path is None) == (self.config is None):
             raise ValueError(
                 "set exactly one of model.path (a local model folder) or model.config (a config.json)"
+            )
+        if "quantization_config" in self.load_kwargs:
+            raise ValueError(
+                "model.load_kwargs sets quantization_config: set model.quantize (nf4 or fp4) and "
+                "model.quantize_double instead"
+            )
+        if self.quantize == "none" and "quantize_double" in self.model_fields_set:
+            raise ValueError("model.quantize_double applies with model.quantize nf4 or fp4; remove it")
+        if self.quantize != "none" and self.config is not None:
+            raise ValueError(
+                f"model.quantize {self.quantize} quantizes pretrained weights: set model.path to a model "
+                "folder (model.config builds random weights), or set model.quantize: none"
             )
         if self.config is not None and self.tokenizer is None:
             raise ValueError(
@@ -249,6 +265,16 @@ class LoggingSection(_Section):
     jsonl: bool = True
 
 
+# Sharding backends with a 4-bit base: refused (README, Distributed), with the reason.
+UNQUANTIZED_BACKENDS = {
+    "fsdp1": "its flat units need one floating dtype, and sharded 4-bit weights are not yet tested "
+    "against one process",
+    "fsdp2": "sharded 4-bit weights are not yet tested against one process",
+    "deepspeed": "ZeRO-3 does not partition 4-bit weights at load time, and ZeRO-2 is not yet tested "
+    "with them",
+}
+
+
 class Recipe(_Section):
     model: ModelSection
     adapter: AdapterSection = Field(default_factory=AdapterSection)
@@ -276,7 +302,24 @@ class Recipe(_Section):
             )
         if objective != "sft":
             self.preference.check(objective)
+        self._quantized_needs()
         return self
+
+    def _quantized_needs(self) -> None:
+        """A 4-bit base trains only through an adapter, and only where its weights can be placed."""
+        q, backend = self.model.quantize, self.distributed.backend
+        if q == "none":
+            return
+        if self.adapter.type == "none":
+            raise ValueError(
+                f"model.quantize {q} freezes the base in 4 bits, so full fine-tuning (adapter.type none) "
+                "cannot train it: set adapter.type lora (QLoRA) or dora, or set model.quantize: none"
+            )
+        if backend in UNQUANTIZED_BACKENDS:
+            raise ValueError(
+                f"model.quantize {q} with distributed.backend {backend} is not supported yet: "
+                f"{UNQUANTIZED_BACKENDS[backend]}; use distributed.backend ddp (or none), or model.quantize: none"
+            )
 
     def to_yaml(self) -> str:
         data = self.model_dump(mode="json")

@@ -107,7 +107,8 @@ def compare_kernels(
     def fresh() -> nn.Module:
         model = build()
         for parameter in model.parameters():
-            parameter.requires_grad_(True)
+            if parameter.is_floating_point():  # a 4-bit base's packed weights take no gradient
+                parameter.requires_grad_(True)
         return model
 
     reference = train_step(fresh(), batch, loss_of=loss_of)

@@ -208,7 +208,8 @@ def _prepared(model: nn.Module, kernels: dict[str, bool]) -> nn.Module:
 
         patch_model(model, **kernels)
     for parameter in model.parameters():
-        parameter.requires_grad_(True)
+        if parameter.is_floating_point():  # a 4-bit base's packed weights take no gradient
+            parameter.requires_grad_(True)
     configs = [model.config, *(getattr(model.config, k) for k in getattr(model.config, "sub_configs", {}))]
     for owner in [*model.modules(), *(c for c in configs if c is not None)]:
         if isinstance(owner, nn.Dropout):

@@ -1,0 +1,136 @@
+"""QLoRA: the base's linear layers in 4 bits (bitsandbytes NF4/FP4), an adapter trained on top.
+
+bitsandbytes is imported only here and only for a quantized recipe (`liger --help` and plain runs
+never load it). Two facts of bitsandbytes 0.50 on a CPU decide what this module does:
+
+- A `Linear4bit` forward in eval mode under no_grad, on a CPU with AVX512-BF16, repacks its weight
+  in place into an inference layout; later train-mode forwards then run `gemv_4bit`, which has no
+  backward, and the adapter gradients before that layer come out None or wrong (only a UserWarning).
+  `keep_exact_backward` switches that path off on every 4-bit layer, so an evaluation between steps
+  changes nothing (tested: tests/test_qlora.py).
+- Importing its CPU backend tries to fetch a kernel from the Hugging Face hub and logs "Failed to load
+  CPU gemm_4bit_forward from kernels-community" when it cannot: harmless (the layers use their own
+  CPU code), and filtered out by `process_state.silence_hub_kernel_notice` for every run.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from liger_cli import process_state
+from liger_cli.errors import UserError
+
+BLOCKSIZE = 64
+"""bitsandbytes' 4-bit block size on a CPU: one scale (absmax) per 64 weights."""
+
+
+def quantized(recipe) -> bool:
+    return recipe.model.quantize != "none"
+
+
+def require_bitsandbytes(recipe):
+    """The bitsandbytes module, or a UserError saying why a quantized recipe cannot run here."""
+    process_state.silence_hub_kernel_notice()
+    try:
+        import bitsandbytes
+    except Exception as err:  # ImportError, or a native library that does not load
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise UserError(
+            f"model.quantize {recipe.model.quantize} needs bitsandbytes, which does not load here ({first}): "
+            "pip install bitsandbytes (Linux x86_64/aarch64, Windows, macOS arm64), or set model.quantize: none"
+        ) from None
+    return bitsandbytes
+
+
+def describe(recipe, dtype: torch.dtype) -> str:
+    """The Plan's line for the quantization (the compute dtype `dtype` is model.dtype's)."""
+    m = recipe.model
+    double = "double quantization" if m.quantize_double else "no double quantization"
+    name = str(dtype).removeprefix("torch.")
+    return (
+        f"{m.quantize} 4-bit linear layers ({double}), compute in {name}; lm_head and embeddings unquantized"
+    )
+
+
+def quantization_config(recipe, dtype: torch.dtype):
+    """transformers' BitsAndBytesConfig for the recipe: compute in `dtype` (model.dtype's), uint8 storage."""
+    from transformers import BitsAndBytesConfig
+
+    require_bitsandbytes(recipe)
+    m = recipe.model
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=m.quantize,
+        bnb_4bit_use_double_quant=m.quantize_double,
+        bnb_4bit_compute_dtype=dtype,
+    )
+
+
+def keep_exact_backward(model: nn.Module) -> int:
+    """Switch off bitsandbytes' CPU inference repacking on every 4-bit layer (see the module's doc);
+    returns how many 4-bit layers the model has."""
+    import bitsandbytes as bnb
+
+    count = 0
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
+            count += 1
+    return count
+
+
+def prepare_for_training(model: nn.Module) -> nn.Module:
+    """peft's usual k-bit preparation (every base weight frozen, half-precision norms upcast to fp32);
+    activation checkpointing stays with the Plan (`enable_activation_checkpointing`)."""
+    from peft import prepare_model_for_kbit_training
+
+    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+
+def quantize_linears(model: nn.Module, quantize: str, double: bool, skip: tuple[str, ...] = ("lm_head",)):
+    """Replace every nn.Linear (but `skip`) with a bitsandbytes 4-bit layer holding its weights
+    quantized, as `from_pretrained` with a BitsAndBytesConfig does: for a twin built from a config."""
+    import bitsandbytes as bnb
+
+    dtype = next(model.parameters()).dtype
+    targets = [
+        (name, module)
+        for name, module in model.named_modules()
+        if type(module) is nn.Linear and name.rsplit(".", 1)[-1] not in skip
+    ]
+    for name, linear in targets:
+        layer = bnb.nn.Linear4bit(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            compute_dtype=dtype,
+            compress_statistics=double,
+            quant_type=quantize,
+            device="meta",
+        )
+        layer.weight = bnb.nn.Params4bit(
+            linear.weight.data.detach().clone(),
+            requires_grad=False,
+            compress_statistics=double,
+            quant_type=quantize,
+            module=layer,
+        ).to("cpu")
+        if linear.bias is not None:
+            layer.bias = nn.Parameter(linear.bias.data.detach().clone(), requires_grad=False)
+        layer.support_avx512bf16_for_cpu = False
+        parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        setattr(parent, name.rsplit(".", 1)[-1], layer)
+    return model
+
+
+def dequantized_weight(layer) -> torch.Tensor:
+    """The full-precision weight a 4-bit layer computes with."""
+    import bitsandbytes as bnb
+
+    return bnb.functional.dequantize_4bit(layer.weight.data, layer.weight.quant_state)
+
+
+def is_4bit(tensor: torch.Tensor) -> bool:
+    """A 4-bit packed weight (bitsandbytes' Params4bit)."""
+    return type(tensor).__name__ == "Params4bit"

@@ -1,0 +1,309 @@
+"""QLoRA (model.quantize): the recipe's rules, exact adapter gradients through the 4-bit base (also after
+an evaluation pass, where bitsandbytes' CPU path has a trap), the quantized kernel-check twin, a real
+run with its final check, `liger merge` into the full-precision base, and no bitsandbytes notice on
+plain runs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import save_tiny_model
+from test_train import liger, recipe_text
+
+bnb = pytest.importorskip("bitsandbytes")
+
+from liger_cli.errors import UserError  # noqa: E402
+from liger_cli.recipe import Recipe  # noqa: E402
+from liger_cli.recipe.load import load_recipe  # noqa: E402
+
+NOTICE_WORDS = ("kernels-community", "gemm_4bit")
+
+
+@pytest.fixture(scope="module")
+def model64(tmp_path_factory) -> Path:
+    """Hidden 64: bitsandbytes' CPU inference repacking (the trap) needs whole 64-weight blocks per row."""
+    return save_tiny_model(tmp_path_factory.mktemp("tiny64"), hidden_size=64, intermediate_size=128)
+
+
+def recipe_for(model_dir: Path, tmp_path: Path, **model) -> Recipe:
+    return Recipe.model_validate(
+        {
+            "model": {"path": str(model_dir), **model},
+            "adapter": {"type": "lora", "r": 4, "alpha": 8},
+            "data": {"train": str(tmp_path / "train.jsonl")},
+        }
+    )
+
+
+# --- the recipe's rules -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        ("adapter: {type: none}\n", ["model.quantize nf4", "full fine-tuning", "adapter.type lora"]),
+        (
+            "distributed: {backend: fsdp2, num_processes: 2}\n",
+            ["nf4 with distributed.backend fsdp2", "not supported yet"],
+        ),
+        (
+            "distributed: {backend: fsdp1, num_processes: 2}\n",
+            ["nf4 with distributed.backend fsdp1", "one floating dtype"],
+        ),
+        (
+            "distributed: {backend: deepspeed, num_processes: 2}\n",
+            ["nf4 with distributed.backend deepspeed", "ZeRO-3"],
+        ),
+    ],
+)
+def test_refused_combinations(tmp_path: Path, tiny_model_dir: Path, extra: str, words: list[str]) -> None:
+    path = tmp_path / "r.yaml"
+    path.write_text(f"model: {{path: {tiny_model_dir}, quantize: nf4}}\ndata: {{train: t.jsonl}}\n{extra}")
+    with pytest.raises(UserError) as err:
+        load_recipe(path)
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_quantize_keys(tmp_path: Path, tiny_model_dir: Path) -> None:
+    path = tmp_path / "r.yaml"
+    for model, words in (
+        ("quantize_double: false", "quantize_double applies with model.quantize"),
+        ("quantize: nf4, load_kwargs: {quantization_config: {}}", "set model.quantize"),
+        ("quantize: int3", "quantize"),
+    ):
+        path.write_text(f"model: {{path: {tiny_model_dir}, {model}}}\ndata: {{train: t.jsonl}}\n")
+        with pytest.raises(UserError, match=words):
+            load_recipe(path)
+    path.write_text(
+        f"model: {{path: {tiny_model_dir}, quantize: fp4, quantize_double: false}}\ndata: {{train: t.jsonl}}\n"
+    )
+    (tmp_path / "t.jsonl").write_text('{"text": "x"}\n')
+    recipe = load_recipe(path)
+    assert (recipe.model.quantize, recipe.model.quantize_double) == ("fp4", False)
+
+
+def test_refusal_is_one_line_exit_2(tmp_path: Path, tiny_model_dir: Path) -> None:
+    path = tmp_path / "r.yaml"
+    path.write_text(recipe_text(tiny_model_dir, tmp_path / "out", adapter="{type: none}").replace(
+        f"{{path: {tiny_model_dir}}}", f"{{path: {tiny_model_dir}, quantize: nf4}}"
+    ))  # fmt: skip
+    proc = liger("train", str(path), "--dry-run")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert "full fine-tuning" in proc.stderr and not (tmp_path / "out").exists()
+
+
+# --- exact training -----------------------------------------------------------------------------------
+
+
+def _randomize_lora_b(model, seed: int = 1) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            param.data = torch.randn(param.shape, generator=generator) * 0.1
+
+
+def _step(model, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.train()
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _qlora(recipe: Recipe):
+    from liger_cli.model import add_adapter, load_base_model
+
+    torch.manual_seed(0)  # lora_A's initialisation
+    model = add_adapter(load_base_model(recipe), recipe)
+    _randomize_lora_b(model)
+    return model
+
+
+BATCH = {"input_ids": torch.randint(5, 300, (2, 12), generator=torch.Generator().manual_seed(0))}
+BATCH["labels"] = BATCH["input_ids"]
+
+
+@pytest.mark.parametrize("kind", ["nf4", "fp4"])
+def test_gradients_equal_dequantized(model64: Path, tmp_path: Path, kind: str) -> None:
+    """The adapter's loss and gradients through the 4-bit base equal the same adapter's on a plain model
+    holding the dequantized weights (fp32 compute)."""
+    from transformers import AutoModelForCausalLM
+
+    from liger_cli.model import add_adapter
+    from liger_cli.model.quantize import dequantized_weight
+
+    recipe = recipe_for(model64, tmp_path, quantize=kind)
+    qlora = _qlora(recipe)
+    dense = AutoModelForCausalLM.from_pretrained(model64, dtype=torch.float32)
+    layers = [(n, m) for n, m in qlora.get_base_model().named_modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(layers) == 14  # 7 linear layers x 2 decoder layers; lm_head stays full precision
+    for name, layer in layers:
+        dense.get_submodule(name.replace(".base_layer", "")).weight.data = dequantized_weight(layer).float()
+    dense = add_adapter(dense, recipe_for(model64, tmp_path))
+    dense.load_state_dict({k: v for k, v in qlora.state_dict().items() if "lora_" in k}, strict=False)
+    loss4, grads4 = _step(qlora, BATCH)
+    loss, grads = _step(dense, BATCH)
+    assert grads4.keys() == grads.keys() and len(grads) == 28
+    assert abs(loss4 - loss) <= 1e-6 * abs(loss)
+    for name, grad in grads.items():
+        assert (grads4[name] - grad).abs().max() <= 1e-6 * grad.abs().max(), name
+
+
+def test_eval_pass_between_steps_changes_nothing(model64: Path, tmp_path: Path) -> None:
+    """An eval-mode forward under no_grad (an evaluation) between two steps leaves the next step's
+    gradients exactly as without it. Without liger's fix, on a CPU with AVX512-BF16, bitsandbytes repacks
+    the weights for inference there and the next backward is wrong (shown when this CPU has the path)."""
+    recipe = recipe_for(model64, tmp_path, quantize="nf4")
+    clean = _step(_qlora(recipe), BATCH)
+
+    def after_eval(model):
+        model.eval()
+        with torch.no_grad():
+            model(input_ids=BATCH["input_ids"])
+        return _step(model, BATCH)
+
+    fixed = after_eval(_qlora(recipe))
+    assert torch.equal(fixed[0], clean[0])
+    for name, grad in clean[1].items():
+        assert torch.equal(fixed[1][name], grad), name
+    if bnb.functional.has_avx512bf16():  # the trap itself, on the CPUs that have it
+        trapped = _qlora(recipe)
+        for module in trapped.modules():
+            if isinstance(module, bnb.nn.Linear4bit):
+                module.support_avx512bf16_for_cpu = True
+        with pytest.warns(UserWarning):
+            _, grads = after_eval(trapped)
+        assert any(not torch.allclose(grads[n], g, atol=1e-6) for n, g in clean[1].items())
+
+
+def test_kernel_check_twin_is_quantized(model64: Path, tmp_path: Path) -> None:
+    from liger_cli.model import read_config, twin_adapter
+    from liger_cli.twin.kernel_check import check_kernels
+    from liger_cli.twin.tiny import tiny_causal_lm
+
+    recipe = recipe_for(model64, tmp_path, quantize="nf4")
+    config = read_config(model64)
+    twin = twin_adapter(recipe)(tiny_causal_lm(config))
+    assert any(isinstance(m, bnb.nn.Linear4bit) for m in twin.modules())
+    kernels = recipe.kernels.requested()
+    check = check_kernels(config, kernels, add_adapter=twin_adapter(recipe))
+    assert check.not_run is None and not check.switched_off, check.lines()
+
+
+# --- a real run, its final check, merge -----------------------------------------------------------------
+
+
+def test_qlora_run_and_merge(model64: Path, tmp_path: Path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    path = tmp_path / "r.yaml"
+    text = recipe_text(
+        model64, out, training="{max_steps: 3, micro_batch_size: 4, lr: 5.0e-3, eval_every: 1, seed: 3}"
+    )
+    path.write_text(text.replace(f"{{path: {model64}}}", f"{{path: {model64}, quantize: nf4}}"))
+    proc = liger("train", str(path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (
+        "quantize            nf4 4-bit linear layers (double quantization), compute in float32" in proc.stdout
+    )
+    assert "final model verified: reloaded from final/, every tensor equal" in proc.stdout
+    assert not any(word in proc.stderr for word in NOTICE_WORDS), proc.stderr
+    proc = liger("merge", str(out), str(tmp_path / "merged"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(s for s in proc.stdout.splitlines() if "adapter on the 4-bit base vs merged" in s)
+    quantization_error = float(line.split("merged: ")[1].split()[0])
+    assert 0 < quantization_error < 1
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    assert not hasattr(merged.config, "quantization_config")  # full precision, never the 4-bit weights
+    base = AutoModelForCausalLM.from_pretrained(model64, dtype=torch.float32)
+    expected = PeftModel.from_pretrained(base, out / "final").eval()
+    with torch.no_grad():
+        want = expected(input_ids=BATCH["input_ids"]).logits
+        got = merged.eval()(input_ids=BATCH["input_ids"]).logits
+    assert (want - got).abs().max() < 1e-4
+
+
+def test_plain_run_has_no_bitsandbytes_notice(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """peft imports bitsandbytes whenever it is installed: its hub notice stays off every run's output."""
+    path = tmp_path / "r.yaml"
+    path.write_text(
+        recipe_text(tiny_model_dir, tmp_path / "out", training="{max_steps: 1, micro_batch_size: 2}")
+    )
+    proc = liger("train", str(path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not any(word in proc.stderr + proc.stdout for word in NOTICE_WORDS), proc.stderr
+    # ... and it is really there to hide: a bare import in a fresh process prints it (where the CPU has the path)
+    bare = subprocess.run(
+        [sys.executable, "-c", "import bitsandbytes"], capture_output=True, text=True, cwd=tmp_path
+    )
+    if bnb.functional.has_avx512bf16():
+        assert "kernels-community" in bare.stderr
+
+
+# --- two real processes --------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(400)
+def test_ddp_two_processes_train_the_one_process_qlora(tmp_path: Path) -> None:
+    """QLoRA under DDP with 2 processes on gloo: per-step losses, eval losses and the saved adapter equal a
+    1-process run with the same global batch; each rank's final check reloads onto the 4-bit base."""
+    from test_distributed import QUICK_TRAIN, assert_same_run, losses, run_driver, write_recipe
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(QUICK_TRAIN.read_text().splitlines(keepends=True)[:64]))
+    assets = {
+        "model": save_tiny_model(tmp_path / "tiny64", hidden_size=64, intermediate_size=128),
+        "data": data,
+    }
+    over = {"model__quantize": "nf4", "data__eval_fraction": 0.125, "training__eval_every": 2}
+    (tmp_path / "ref").mkdir()
+    (tmp_path / "ddp").mkdir()
+    ref = write_recipe(assets, tmp_path / "ref" / "out", **over)
+    ddp = write_recipe(assets, tmp_path / "ddp" / "out", "ddp", **over)
+    run_driver({"cases": [{"recipe": str(ref)}]}, tmp_path / "ref", nproc=1)
+    proc = run_driver({"cases": [{"recipe": str(ddp)}]}, tmp_path / "ddp", nproc=2, timeout=360)
+    assert "DDP: gradients all-reduced over 2 processes" in proc.stdout + proc.stderr
+    assert_same_run(tmp_path / "ddp" / "out", tmp_path / "ref" / "out")
+    got, want = (losses(tmp_path / d / "out", "eval_loss") for d in ("ddp", "ref"))
+    assert len(want) >= 2 and got == pytest.approx(want, abs=1e-5, rel=0)
+
+
+@pytest.mark.parametrize("double", [True, False])
+def test_memory_plan_counts_4bit_bytes(double: bool) -> None:
+    """--dry-run's parameters: the 4-bit base as bitsandbytes stores it (the loaded model's state dict)
+    plus the adapter, within 1%."""
+    import json
+
+    from test_train import REPO
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    recipe = REPO / "recipes" / "qlora.yaml"
+    proc = liger(
+        "train", str(recipe), "--dry-run", "--json", "--set", f"model.quantize_double={str(double).lower()}"
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    planned = json.loads(proc.stdout)["memory"]["components"]["parameters"]
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=double,
+                                bnb_4bit_compute_dtype=torch.float32)  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(
+        REPO / "recipes" / "quickstart" / "model", quantization_config=config
+    )
+    stored = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    adapter = 74_752 * 4  # r 16 on every linear layer, fp32 (the run's log: 74,752 trainable)
+    assert planned == pytest.approx(stored + adapter, rel=0.01)
+
+
+def test_without_bitsandbytes_is_a_user_error(monkeypatch, tiny_model_dir: Path, tmp_path: Path) -> None:
+    from liger_cli.model.quantize import require_bitsandbytes
+
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # `import bitsandbytes` raises ImportError
+    with pytest.raises(UserError, match="model.quantize nf4 needs bitsandbytes, which does not load here"):
+        require_bitsandbytes(recipe_for(tiny_model_dir, tmp_path, quantize="nf4"))
