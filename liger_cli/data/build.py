@@ -81,7 +81,15 @@ def build_datasets(data_cfg: DataConfig, tokenizer, seed: int):
     return train.dataset, evald.dataset if evald is not None else None
 
 
-def prepare_data(data_cfg: DataConfig, tokenizer, seed: int) -> tuple[Split, Split | None]:
+def build_eval_dataset(data_cfg: DataConfig, tokenizer, seed: int):
+    """The eval data alone (a streaming run reads its train data as a stream): a Dataset or None."""
+    _, evald = prepare_data(data_cfg, tokenizer, seed, include_train=False)
+    return evald.dataset if evald is not None else None
+
+
+def prepare_data(
+    data_cfg: DataConfig, tokenizer, seed: int, include_train: bool = True
+) -> tuple[Split | None, Split | None]:
     """Every user mistake (missing file, unknown extension, bad JSON, missing or mistyped field, chat
     template problems) is a UserError naming the file, the row and the field, raised before any
     tokenizing starts (template problems: when that row is tokenized).
@@ -97,6 +105,8 @@ def prepare_data(data_cfg: DataConfig, tokenizer, seed: int) -> tuple[Split, Spl
     if fmt == "preference" and data_cfg.packing:
         raise UserError("data error: packing does not apply to preference pairs; set data.packing: false")
     train_sources, eval_sources = sources_of(data_cfg.train, fmt), sources_of(data_cfg.eval, fmt)
+    if not include_train:  # a stream reads the train data itself (liger_cli.data.stream)
+        train_sources = []
     for source in train_sources + eval_sources:
         if (source.format == "preference") != (fmt == "preference"):
             raise UserError(
@@ -122,7 +132,7 @@ def prepare_data(data_cfg: DataConfig, tokenizer, seed: int) -> tuple[Split, Spl
     eval_parts += [_part(entry, data_cfg, None) for entry in entries[len(train_sources) :]]
 
     weights = [source.weight for source in train_sources]
-    train = mixture(train_parts, weights, seed) if len(train_parts) > 1 else train_parts[0]
+    train = mixture(train_parts, weights, seed) if len(train_parts) > 1 else (train_parts or [None])[0]
     evald = None
     if eval_parts:
         evald = mixture(eval_parts, None, seed) if len(eval_parts) > 1 else eval_parts[0]
@@ -200,9 +210,10 @@ def _finish(split: Split, data_cfg: DataConfig) -> None:
     log.info("data: %s: %d examples%s, %d tokens", split.path, len(split.examples), packed_into, n_tokens)
 
 
-def _encode_rows(rows, path: Path, fmt: str, data_cfg: DataConfig, tokenizer):
-    """Encode and truncate every row; a row with nothing left to learn is marked dropped (DROP_COLUMN),
-    every warning goes into its row's WARNINGS_COLUMN."""
+def batch_encoder(path: Path, fmt: str, data_cfg: DataConfig, tokenizer):
+    """The function {column: values} -> encoded columns, one row each: encode and truncate every row; a
+    row with nothing left to learn is marked dropped (DROP_COLUMN), every warning goes into its row's
+    WARNINGS_COLUMN. The cached path maps it over a source's rows; the stream calls it on each chunk."""
     encode, max_len = encoder(fmt, data_cfg), data_cfg.max_seq_len
     answer_field = {"text": "text", "instruction": "output", "chat": "messages"}[fmt]
     start_field = {"text": "text", "instruction": "instruction", "chat": "messages"}[fmt]
@@ -252,6 +263,12 @@ def _encode_rows(rows, path: Path, fmt: str, data_cfg: DataConfig, tokenizer):
         out[WARNINGS_COLUMN] = [json.dumps(found) for found in notes]
         return out
 
+    return encode_batch
+
+
+def _encode_rows(rows, path: Path, fmt: str, data_cfg: DataConfig, tokenizer):
+    """Encode and truncate every row (`batch_encoder`), batches of 1000 rows through `datasets`' map."""
+    encode_batch, max_len = batch_encoder(path, fmt, data_cfg, tokenizer), data_cfg.max_seq_len
     with quiet_datasets():
         return rows.map(
             encode_batch,

@@ -65,16 +65,21 @@ def load_rows(path: Path, fmt: str):
 
 def validate_rows(rows, path: Path, fmt: str) -> None:
     """Check every row's fields and types for `fmt`; the first problem is a UserError with file and row."""
-    check = {
+    check = row_check(fmt)
+    for index, row in enumerate(rows):
+        problem = check(row)
+        if problem:
+            raise UserError(f"data error: {path} {where(path, index)}: {problem} ({FORMAT_FIELDS[fmt]})")
+
+
+def row_check(fmt: str):
+    """The function row -> the row's first problem for `fmt` (a str), or None when it is valid."""
+    return {
         "text": _check_text_row,
         "instruction": _check_instruction_row,
         "chat": _check_chat_row,
         "preference": _check_preference_row,
     }[fmt]
-    for index, row in enumerate(rows):
-        problem = check(row)
-        if problem:
-            raise UserError(f"data error: {path} {where(path, index)}: {problem} ({FORMAT_FIELDS[fmt]})")
 
 
 def split_eval_fraction(rows, fraction: float, seed: int, path: Path):

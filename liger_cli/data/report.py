@@ -35,6 +35,12 @@ def data_command(recipe_path: Path, overrides: list[str], show: int = 0, jsonl: 
     from liger_cli.recipe import load_recipe
 
     recipe = load_recipe(recipe_path, overrides)
+    if recipe.data.streaming:
+        raise UserError(
+            "liger data reads and tokenizes the whole train data, which data.streaming exists to avoid: "
+            "check a sample instead (head -n 1000 FILE > sample.jsonl, then --set data.train=sample.jsonl "
+            "--set data.streaming=false)"
+        )
     tokenizer = load_tokenizer(recipe)
     data_logger = logging.getLogger("liger_cli.data")
     level = data_logger.level

@@ -76,6 +76,8 @@ class DataSection(_Section):
     """Where the cache lives; default $LIGER_CACHE/data, else ~/.cache/liger/data (XDG_CACHE_HOME)."""
     num_proc: int | None = Field(None, ge=1)
     """Processes that tokenize in parallel (datasets' map num_proc)."""
+    streaming: bool = False
+    """Read data.train as a stream (liger_cli.data.stream): never loaded whole, tokenized ahead of the loop."""
 
     def entries(self, which: str = "train") -> list[DataSource]:
         value = self.train if which == "train" else self.eval
@@ -109,7 +111,41 @@ class DataSection(_Section):
                     raise ValueError(
                         f"data.eval[{i}].weight: eval sources are each read whole, once; remove the weight"
                     )
+        if self.streaming:
+            self._check_streaming()
         return self
+
+    def _check_streaming(self) -> None:
+        """What a stream cannot do is refused up front (training.max_steps is checked by the Recipe)."""
+        refused = {
+            "eval_fraction": "a held-out split needs the whole file; give data.eval (read whole) instead",
+            "packing": "packing is not supported while streaming; set data.packing: false",
+        }
+        for key, why in refused.items():
+            if getattr(self, key) not in (None, False):
+                raise ValueError(f"data.streaming does not support data.{key}: {why}")
+        if self.format == "preference":
+            raise ValueError(
+                "data.streaming does not support format preference (reference log-probs need every pair); "
+                "set data.streaming: false"
+            )
+        sources = self.entries()
+        if len(sources) != 1 or isinstance(self.train, list):
+            raise ValueError(
+                "data.streaming reads one train source (no weighted mixture): give data.train one .jsonl or "
+                ".parquet file or one folder of such shards"
+            )
+        path = sources[0].path
+        if not isinstance(path, Path):
+            raise ValueError(
+                f"data.streaming reads local files only, and {path} is a Hub dataset name: save it as "
+                ".parquet or .jsonl shards in a folder and give that folder, or set data.streaming: false"
+            )
+        if path.suffix.lower() in (".json", ".csv"):
+            raise ValueError(
+                f"data.streaming reads .jsonl and .parquet files (and folders of them), not {path.suffix}: "
+                "convert the file to .jsonl, or set data.streaming: false"
+            )
 
 
 def _as_list(value: Any) -> list:

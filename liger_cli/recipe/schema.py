@@ -303,6 +303,11 @@ class Recipe(_Section):
         if objective != "sft":
             self.preference.check(objective)
         self._quantized_needs()
+        if self.data.streaming and self.training.max_steps is None:
+            raise ValueError(
+                "data.streaming needs training.max_steps (a stream has no known length, so no epochs): "
+                "set training.max_steps and remove training.epochs"
+            )
         return self
 
     def _quantized_needs(self) -> None:

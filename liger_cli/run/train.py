@@ -26,7 +26,9 @@ from tqdm.auto import tqdm
 
 from liger_cli.data import build_datasets
 from liger_cli.data.batches import StepBatches, total_steps
+from liger_cli.data.build import build_eval_dataset
 from liger_cli.data.sources import local_paths
+from liger_cli.data.stream import StreamBatches, encoded_stream
 from liger_cli.data.tokenizer import load_tokenizer
 from liger_cli.errors import RunFailed, UserError
 from liger_cli.model import build_model, count_parameters, model_dtype
@@ -54,9 +56,20 @@ class TrainingDiverged(RunFailed):
 class Data:
     tokenizer: object
     train: object
+    """The train Dataset; None when streaming (`batches` reads the stream)."""
     eval: object | None
-    batches: StepBatches
+    batches: StepBatches | StreamBatches
     total_steps: int
+
+    def examples(self, g: int) -> list[dict]:
+        """This rank's examples of the run's micro-batch g."""
+        if isinstance(self.batches, StreamBatches):
+            return self.batches.examples(g)
+        return [self.train[i] for i in self.batches.indices(g)]
+
+    def position(self) -> dict:
+        """What a checkpoint records of where the data is besides the step number (the stream's place)."""
+        return {"stream": self.batches.position()} if isinstance(self.batches, StreamBatches) else {}
 
 
 @dataclass
@@ -127,6 +140,8 @@ def load_data(recipe: Recipe, accelerator) -> Data:
     """Tokenizer and datasets, all checked before the model is built; this rank's batches."""
     t = recipe.training
     tokenizer = load_tokenizer(recipe)
+    if recipe.data.streaming:
+        return load_stream(recipe, accelerator, tokenizer)
     train_ds, eval_ds = build_once(
         accelerator, recipe.data, lambda: build_datasets(recipe.data, tokenizer, t.seed)
     )
@@ -138,6 +153,24 @@ def load_data(recipe: Recipe, accelerator) -> Data:
             f"({t.micro_batch_size} x {world} processes): lower training.micro_batch_size"
         )
     return Data(tokenizer, train_ds, eval_ds, batches, total_steps(t, batches))
+
+
+def load_stream(recipe: Recipe, accelerator, tokenizer) -> Data:
+    """`data.streaming`: the eval data built whole (it is small), the train data a stream (`stream.py`)
+    whose first rows are read now, so that a bad first row fails before the model is built."""
+    t, d = recipe.training, recipe.data
+    eval_ds = build_once(accelerator, d, lambda: build_eval_dataset(d, tokenizer, t.seed))
+    source = d.entries()[0]
+    fmt = source.format or d.format
+
+    def open_stream(position: dict):
+        return encoded_stream(source.path, fmt, d, tokenizer, position)
+
+    next(iter(open_stream(StreamBatches.START)), None)
+    world, rank = accelerator.num_processes, accelerator.process_index
+    return Data(
+        tokenizer, None, eval_ds, StreamBatches(open_stream, t.micro_batch_size, world, rank), t.max_steps
+    )
 
 
 def check_resume(output: OutputDecision, data: Data, found: dict, say) -> str | None:
@@ -174,7 +207,8 @@ def describe(model, data: Data, say) -> None:
     trainable, total = count_parameters(model)
     say(f"parameters: {trainable:,} trainable of {total:,} ({100 * trainable / total:.2f}%)")
     evals = len(data.eval) if data.eval is not None else 0
-    say(f"data: {len(data.train)} train / {evals} eval examples; {data.total_steps} optimizer steps")
+    train = "streamed" if data.train is None else len(data.train)
+    say(f"data: {train} train / {evals} eval examples; {data.total_steps} optimizer steps")
 
 
 def prepare(
@@ -212,6 +246,11 @@ def resume(trainer: Trainer, checkpoint_dir: Path) -> None:
         ) from None
     rank = trainer.backend.accelerator.process_index
     trainer.step = checkpoint.load_plain_state(checkpoint_dir, trainer.scheduler, rank)
+    if isinstance(trainer.data.batches, StreamBatches):  # the stream continues where the step left it
+        position = checkpoint.read_state(checkpoint_dir).get("stream")
+        if position is None:
+            raise UserError(f"cannot resume {checkpoint_dir}: it holds no stream position (data.streaming)")
+        trainer.data.batches.seek(position, trainer.step * trainer.recipe.training.grad_accum)
     trainer.say(f"resumed from {checkpoint_dir} at step {trainer.step}")
 
 
@@ -238,7 +277,10 @@ def check_final(trainer: Trainer, state_dict: dict) -> None:
         trainer.say("final model not verified (output.verify: false)")
         return
     train, pad_id = trainer.data.train, trainer.data.tokenizer.pad_token_id
-    examples = [train[i] for i in range(min(verify.PROBE_ROWS, len(train)))]
+    if train is None:  # streaming: the stream's first examples
+        examples = trainer.data.batches.probe(verify.PROBE_ROWS)
+    else:
+        examples = [train[i] for i in range(min(verify.PROBE_ROWS, len(train)))]
     probe = verify.probe_batch(trainer.objective.collate(examples, pad_id))
     logits = verify.logits_of(trainer.model, probe, backend.accelerator.device)
     if backend.accelerator.is_main_process:
@@ -276,8 +318,7 @@ def fit(trainer: Trainer) -> dict[str, float]:
     while step < data.total_steps:
         trainer.memory.step_begins()
         micro = [
-            objective.collate([data.train[i] for i in data.batches.indices(step * t.grad_accum + a)], pad_id)
-            for a in range(t.grad_accum)
+            objective.collate(data.examples(step * t.grad_accum + a), pad_id) for a in range(t.grad_accum)
         ]
         num_items = accelerator.reduce(sum(objective.units(b) for b in micro).to(device), "sum").clamp(min=1)
         step_sums = None  # the step's loss, then each of the objective's metrics (means over its units)
@@ -332,11 +373,13 @@ def fit(trainer: Trainer) -> dict[str, float]:
             run_eval(step, log)
         every = recipe.output.save_every
         if (every and step % every == 0) or step == data.total_steps:  # the last step too: a run can continue
-            state = {"step": step, "total_steps": data.total_steps}
+            state = {"step": step, "total_steps": data.total_steps, **data.position()}
             found, scheduler = trainer.fingerprint, trainer.scheduler
             saved = checkpoint.save_checkpoint(accelerator, out, step, state, found, scheduler)
             log(f"checkpoint saved: {saved}")
     progress.close()
+    if isinstance(data.batches, StreamBatches):
+        data.batches.close()  # the reading thread ends with the loop
     if data.eval is not None:  # the final evaluation
         run_eval(step, say)
     metrics_log.close()

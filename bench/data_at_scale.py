@@ -1,0 +1,216 @@
+"""Data at scale: tokenizing a 100k-row chat file (first run, cached start, TRL's SFT preprocessing) and the
+peak memory of streaming files of two sizes.
+
+    python bench/data_at_scale.py [--rows 100000] [--trl-python /path/to/.venv-trl/bin/python]
+                                  [--stream-rows 10000 40000]
+
+(a) Writes a synthetic, deterministic chat jsonl (system, user, assistant, user, assistant) and, each in a
+    fresh process, times `liger_cli.data.prepare_data` (the function `liger train` and `liger data` call)
+    with an empty cache (tokenizes and writes the cache) and again (reads the cache), and, when
+    `--trl-python` names an interpreter with `trl`, TRL's `SFTTrainer._prepare_dataset` on the same file
+    (a note says so when it is absent). Tokenizer: the quickstart model's (recipes/quickstart/model).
+(b) Streams text files of two sizes through `liger_cli.data.stream.encoded_stream` (one whole pass) in a
+    fresh process each and reports the peak RSS and its growth over the process's RSS before streaming;
+    the cached path (`prepare_data`, cache off) on the same files for contrast.
+Results are printed and written to bench/results/data_at_scale.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TOKENIZER = REPO / "recipes" / "quickstart" / "model"
+RESULTS = REPO / "bench" / "results"
+ONES = "zero one two three four five six seven eight nine".split()
+
+
+def words(n: int) -> str:
+    return " ".join(ONES[int(d)] for d in str(n))
+
+
+def write_chat(path: Path, rows: int) -> None:
+    rng = random.Random(0)
+    with path.open("w") as f:
+        for _ in range(rows):
+            a, b = rng.randrange(10**6), rng.randrange(10**6)
+            messages = [
+                {"role": "system", "content": "Write numbers in words."},
+                {"role": "user", "content": str(a)},
+                {"role": "assistant", "content": words(a)},
+                {"role": "user", "content": str(b)},
+                {"role": "assistant", "content": words(b)},
+            ]
+            f.write(json.dumps({"messages": messages}) + "\n")
+
+
+def write_text(path: Path, rows: int) -> None:
+    rng = random.Random(1)
+    with path.open("w") as f:
+        for _ in range(rows):
+            f.write(json.dumps({"text": " ".join(words(rng.randrange(10**6)) for _ in range(60))}) + "\n")
+
+
+def rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+# ------------------------------------------------------------------------------ children (one measure each)
+def child_liger(file: Path, cache: Path, fmt: str, cache_on: bool) -> dict:
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from liger_cli.data import prepare_data
+
+    tok = AutoTokenizer.from_pretrained(TOKENIZER)
+    cfg = SimpleNamespace(train=file, eval=None, eval_fraction=None, format=fmt, max_seq_len=512,
+                          packing=False, cache=cache_on, cache_dir=cache)  # fmt: skip
+    before = rss_mb()
+    start = time.perf_counter()
+    train, _ = prepare_data(cfg, tok, seed=0)
+    seconds = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"seconds": seconds, "cache": train.cache.split(" ")[0], "examples": len(train.examples),
+            "rss_before_mb": before, "peak_rss_mb": peak}  # fmt: skip
+
+
+def child_stream(file: Path, fmt: str) -> dict:
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from liger_cli.data.stream import encoded_stream
+
+    tok = AutoTokenizer.from_pretrained(TOKENIZER)
+    cfg = SimpleNamespace(format=fmt, max_seq_len=512)
+    before = rss_mb()
+    start, n = time.perf_counter(), 0
+    for _, at in encoded_stream(file, fmt, cfg, tok):
+        if at["pass"] > 0:
+            break
+        n += 1
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {
+        "seconds": time.perf_counter() - start,
+        "examples": n,
+        "rss_before_mb": before,
+        "peak_rss_mb": peak,
+    }
+
+
+TRL_CHILD = """
+import json, sys, tempfile, time
+from types import SimpleNamespace
+from datasets import load_dataset
+from transformers import AutoTokenizer
+from trl import SFTConfig, SFTTrainer
+import trl
+file, tokenizer = sys.argv[1], sys.argv[2]
+tok = AutoTokenizer.from_pretrained(tokenizer)
+start = time.perf_counter()
+ds = load_dataset("json", data_files=file, split="train", cache_dir=tempfile.mkdtemp())
+args = SFTConfig(output_dir=tempfile.mkdtemp(), max_length=512, report_to=[], use_cpu=True, bf16=False)
+stub = SimpleNamespace(_tokenizer=tok, chat_template=None, completion_only_loss=None)
+out = SFTTrainer._prepare_dataset(stub, ds, tok, args, False, None, "train")
+seconds = time.perf_counter() - start
+print(json.dumps({"seconds": seconds, "examples": len(out), "trl": trl.__version__}))
+"""
+
+
+def run_child(argv: list[str]) -> dict:
+    start = time.perf_counter()
+    proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO)
+    if proc.returncode != 0:
+        raise SystemExit(f"child failed: {' '.join(argv)}\n{proc.stderr[-3000:]}")
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    found["process_s"] = time.perf_counter() - start  # the whole fresh process: imports, tokenizer, data
+    return found
+
+
+def me(*args: str) -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), *args]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=100_000)
+    parser.add_argument("--trl-python", type=Path, default=None)
+    parser.add_argument("--stream-rows", type=int, nargs=2, default=[10_000, 40_000])
+    parser.add_argument("--child", choices=["liger", "stream"], default=None)
+    parser.add_argument("--file", type=Path)
+    parser.add_argument("--cache", type=Path)
+    parser.add_argument("--format", default="chat")
+    parser.add_argument("--cache-off", action="store_true")
+    a = parser.parse_args()
+    if a.child == "liger":
+        print(json.dumps(child_liger(a.file, a.cache, a.format, not a.cache_off)))
+        return
+    if a.child == "stream":
+        print(json.dumps(child_stream(a.file, a.format)))
+        return
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="liger-data-at-scale-"))
+    chat, cache = work / "chat.jsonl", work / "cache"
+    write_chat(chat, a.rows)
+    results: dict = {"rows": a.rows, "file_mb": chat.stat().st_size / 2**20}
+    print(f"(a) {a.rows} chat rows, {results['file_mb']:.1f} MiB, tokenizer {TOKENIZER.name}")
+    results["liger_first"] = run_child(me("--child", "liger", "--file", str(chat), "--cache", str(cache)))
+    results["liger_cached"] = run_child(me("--child", "liger", "--file", str(chat), "--cache", str(cache)))
+    first, hit = results["liger_first"], results["liger_cached"]
+    assert first["cache"] == "built" and hit["cache"] == "hit", (first, hit)
+    print(
+        f"  liger first run (tokenize + write cache): {first['seconds']:.2f} s  ({first['process_s']:.1f} s process)"
+    )
+    print(
+        f"  liger cached start (read cache):          {hit['seconds']:.2f} s  ({hit['process_s']:.1f} s process)"
+    )
+    print(f"  first / cached: {first['seconds'] / hit['seconds']:.0f}x")
+    if a.trl_python is not None and a.trl_python.exists():
+        trl = run_child([str(a.trl_python), "-c", TRL_CHILD, str(chat), str(TOKENIZER)])
+        results["trl"] = trl
+        print(
+            f"  TRL {trl['trl']} SFT _prepare_dataset:        {trl['seconds']:.2f} s  ({trl['process_s']:.1f} s process)"
+        )
+        print(f"  TRL / liger first: {trl['seconds'] / first['seconds']:.2f}x; TRL / liger cached: "
+              f"{trl['seconds'] / hit['seconds']:.0f}x")  # fmt: skip
+    else:
+        print("  TRL: skipped (no --trl-python interpreter given or found)")
+
+    print(f"(b) streaming memory, text rows of about 2 KiB, {a.stream_rows[0]} and {a.stream_rows[1]} rows")
+    results["stream"] = []
+    for rows in a.stream_rows:
+        text = work / f"text-{rows}.jsonl"
+        write_text(text, rows)
+        mb = text.stat().st_size / 2**20
+        streamed = run_child(me("--child", "stream", "--file", str(text), "--format", "text"))
+        whole = run_child(me("--child", "liger", "--file", str(text), "--format", "text", "--cache-off",
+                             "--cache", str(cache)))  # fmt: skip
+        results["stream"].append({"rows": rows, "file_mb": mb, "streaming": streamed, "cached_path": whole})
+        print(f"  {mb:6.1f} MiB file: streaming peak RSS {streamed['peak_rss_mb']:.0f} MiB "
+              f"(+{streamed['peak_rss_mb'] - streamed['rss_before_mb']:.0f} over start), cached path "
+              f"{whole['peak_rss_mb']:.0f} MiB (+{whole['peak_rss_mb'] - whole['rss_before_mb']:.0f})")  # fmt: skip
+    small, large = results["stream"]
+    grow = lambda r: r["peak_rss_mb"] - r["rss_before_mb"]  # noqa: E731
+    print(f"  file {large['file_mb'] / small['file_mb']:.1f}x larger: streaming growth "
+          f"{grow(large['streaming']) - grow(small['streaming']):+.0f} MiB, cached path growth "
+          f"{grow(large['cached_path']) - grow(small['cached_path']):+.0f} MiB")  # fmt: skip
+    out = RESULTS / "data_at_scale.json"
+    out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
