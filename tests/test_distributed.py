@@ -138,11 +138,12 @@ def references(assets) -> dict[str, Path]:
     root = assets["root"] / "ref"
     root.mkdir()
     preference = preference_cases(assets)
-    outs = {name: root / name for name in ("lora", "full", "tied", *preference)}
+    outs = {name: root / name for name in ("lora", "full", "tied", "stream", *preference)}
     cases = [
         write_recipe(assets, outs["lora"]),
         write_recipe(assets, outs["full"], adapter="none"),
         write_recipe(assets, outs["tied"], adapter="none", model="tied"),
+        write_recipe(assets, outs["stream"], data__streaming=True),
         *(write_recipe(assets, outs[name], **over) for name, over in preference.items()),
     ]
     run_driver({"cases": [{"recipe": str(c)} for c in cases]}, root, nproc=1)
@@ -193,6 +194,10 @@ def test_two_processes_train_the_one_process_model(backend: str, assets, referen
     for name, over in preference_cases(assets).items():
         outs[name] = tmp_path / name
         cases.append({"recipe": str(write_recipe(assets, outs[name], backend, **over))})
+    # data.streaming: each rank takes its slice of every global micro-batch of the stream, so the
+    # steps see the examples one process sees.
+    outs["stream"] = tmp_path / "stream"
+    cases.append({"recipe": str(write_recipe(assets, outs["stream"], backend, data__streaming=True))})
     # Resume the LoRA case's step-2 checkpoint under the same backend and process count.
     resumed = tmp_path / "resumed"
     resume = {"output__resume": str(outs["lora"] / "checkpoints" / "step-2")}

@@ -233,3 +233,30 @@ def test_real_process_exit_code_and_no_traceback(workdir: Path) -> None:
     assert "Traceback" not in proc.stderr
     assert proc.stderr.count("\n") == 1 and "training.lr" in proc.stderr
     assert not (workdir / "out").exists()
+
+
+@pytest.mark.parametrize("shipped", sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml")))
+def test_a_runs_resolved_recipe_loads_back_as_the_same_recipe(shipped: Path, tmp_path: Path) -> None:
+    """The `recipe.yaml` a run writes (every default resolved) is a recipe that loads again, unchanged."""
+    recipe = load_recipe(shipped, [])
+    again = tmp_path / "recipe.yaml"
+    again.write_text(recipe.to_yaml())
+    assert load_recipe(again, []).model_dump() == recipe.model_dump()
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [["training.objective=simpo"], ["training.objective=orpo"], ["preference.loss_type=hinge"],
+     ["preference.loss_type=ipo", "preference.sft_weight=0.5"]],
+)  # fmt: skip
+def test_every_preference_objectives_resolved_recipe_loads_back(overrides: list[str], tmp_path: Path) -> None:
+    shipped = Path(__file__).resolve().parents[1] / "recipes" / "dpo.yaml"
+    source = tmp_path / "dpo.yaml"  # the shipped DPO recipe without its loss_type (not simpo's or orpo's)
+    text = shipped.read_text().replace(", loss_type: sigmoid}", "}")
+    for relative in ("quickstart/model", "dpo/train.jsonl", "dpo/eval.jsonl"):
+        text = text.replace(f" {relative}", f" {shipped.parent / relative}")
+    source.write_text(text)
+    recipe = load_recipe(source, overrides)
+    again = tmp_path / "recipe.yaml"
+    again.write_text(recipe.to_yaml())
+    assert load_recipe(again, []).model_dump() == recipe.model_dump()

@@ -153,9 +153,9 @@ class PreferenceSection(_Section):
     sft_weight: float = Field(0.0, ge=0)
     """dpo, simpo: add this times the chosen answer's mean NLL (orpo always has it)."""
 
-    def check(self, objective: str) -> None:
-        """An option the objective cannot honour is an error, never ignored."""
-        applies = {
+    def applies(self, objective: str) -> dict[str, bool]:
+        """Which options the objective honours."""
+        return {
             "loss_type": objective == "dpo",
             "gamma": objective == "simpo",
             "label_smoothing": objective == "simpo"
@@ -163,6 +163,10 @@ class PreferenceSection(_Section):
             "sft_weight": objective in ("dpo", "simpo"),
             "beta": True,
         }
+
+    def check(self, objective: str) -> None:
+        """An option the objective cannot honour is an error, never ignored."""
+        applies = self.applies(objective)
         for name in sorted(self.model_fields_set):
             if not applies[name] and not (name == "label_smoothing" and self.label_smoothing == 0):
                 where = f"training.objective {objective}" + (
@@ -330,4 +334,9 @@ class Recipe(_Section):
         data = self.model_dump(mode="json")
         if self.training.objective == "sft":
             del data["preference"]  # sft recipes read as they always did
+        else:  # the options the objective honours, resolved; the others would be refused on reload
+            applies = self.preference.applies(self.training.objective)
+            data["preference"] = {k: v for k, v in data["preference"].items() if applies[k]}
+        if self.model.quantize == "none":
+            del data["model"]["quantize_double"]  # it applies to a 4-bit base only: the file must load again
         return yaml.safe_dump(data, sort_keys=False)
