@@ -88,8 +88,11 @@ def make_pairs(tokenizer, count: int, seq_len: int, seed: int = 0) -> list[dict]
     before it) of a little over half, the chosen answer the list in words, the rejected one with near
     misses (scripts/make_dpo_data.py's). Every sequence, BOS and eos included, fits in `seq_len`."""
     sys.path.insert(0, str(REPO / "scripts"))
-    from make_dpo_data import near_miss
-    from make_quickstart_assets import number_words
+    try:
+        from make_dpo_data import near_miss
+        from make_quickstart_assets import number_words
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
 
     def length(text: str) -> int:
         return len(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -402,7 +405,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             f"{args.trl_python} not found: set up TRL's venv (see this script's docstring) or leave out trl"
         )
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a CPU bench: no worker sees a GPU
 
     from transformers import AutoTokenizer
 
@@ -485,4 +487,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a CPU bench: no worker sees a GPU
     sys.exit(main())

@@ -6,26 +6,32 @@ variant is left out. Speed is not asserted.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_liger_side_reports_real_numbers_and_ln2(tiny_model_dir: Path, tmp_path: Path) -> None:
+def _script():
+    spec = importlib.util.spec_from_file_location("dpo_vs_trl", REPO / "bench" / "dpo_vs_trl.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_liger_side_reports_real_numbers_and_ln2(tiny_model_dir: Path, tmp_path: Path, capsys) -> None:
+    """The parent runs here (its imports are the test process's own); the liger run is its fresh process."""
     out = tmp_path / "dpo"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "dpo_vs_trl.py"), "--variants", "liger_on",
-         "--model-config", str(tiny_model_dir / "config.json"), "--seq-len", "64", "--pairs", "2",
-         "--steps", "1", "--warmup", "1", "--repeats", "1", "--out", str(out)],
-        capture_output=True, text=True, timeout=120,
+    code = _script().main(
+        ["--variants", "liger_on", "--model-config", str(tiny_model_dir / "config.json"), "--seq-len", "64",
+         "--pairs", "2", "--steps", "1", "--warmup", "1", "--repeats", "1", "--out", str(out)]
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "the same ids on both sides" in proc.stdout
-    assert "0.693147" in proc.stdout  # the step-1 loss is printed
+    shown = capsys.readouterr()
+    assert code == 0, shown.out + shown.err
+    assert "the same ids on both sides" in shown.out
+    assert "0.693147" in shown.out  # the step-1 loss is printed
     report = json.loads((out / "dpo_vs_trl.json").read_text())
     assert "trl" not in report["table"] and report["versions"]["trl_env"] is None
     [run] = report["runs"]
