@@ -1,7 +1,7 @@
 """The training recipe: named set-up steps, then one loop (`run` reads top to bottom).
 
 Set-up, in order: backend and accelerator -> output folder checked (read-only) -> tokenizer and
-data -> model (adapter, checkpointing, kernels) -> output folder claimed (the first change on disk)
+data (`inputs.py`) -> model (adapter, checkpointing, kernels) -> output folder claimed (the first change on disk)
 -> optimizer, schedule and `prepare` -> the objective's `prepare` (values it needs from the untrained
 model, e.g. reference log-probs: `reference.py`) -> resume. Then `fit`: one
 loop over optimizer steps, each taking `grad_accum` micro-batches per process (`batches.py` says
@@ -13,7 +13,6 @@ batches, all ranks): each micro-batch's loss is a sum divided by the step's glob
 
 from __future__ import annotations
 
-import functools
 import json
 import pickle
 import sys
@@ -24,14 +23,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from liger_cli.data import build_datasets
-from liger_cli.data.batches import StepBatches, total_steps
-from liger_cli.data.build import build_eval_dataset
 from liger_cli.data.sources import local_paths
-from liger_cli.data.stream import StreamBatches, encoded_stream
-from liger_cli.data.tokenizer import load_tokenizer
+from liger_cli.data.stream import StreamBatches
 from liger_cli.errors import RunFailed, UserError
-from liger_cli.model import build_model, count_parameters, model_dtype
+from liger_cli.model import build_model, count_parameters
 from liger_cli.model.objectives import Objective, objective_for
 from liger_cli.plan import Applied, Plan, render_with
 from liger_cli.recipe import Recipe
@@ -40,36 +35,16 @@ from liger_cli.run.backends import Backend, backend_for
 from liger_cli.run.checkpoint import save_final
 from liger_cli.run.evaluate import evaluate
 from liger_cli.run.fingerprint import check_same_run, fingerprint
+from liger_cli.run.inputs import Data, load_data
 from liger_cli.run.metrics import MemoryWatch, MetricsLog, peak_memory_mb
 from liger_cli.run.output_dir import OutputDecision, claim_output
 from liger_cli.run.reference import precompute_for
-from liger_cli.run.shared_data import build_once
 
 FINAL_METRICS = "final_metrics.json"
 
 
 class TrainingDiverged(RunFailed):
     """The loss became NaN or infinite; the run stops and keeps its last good checkpoint."""
-
-
-@dataclass
-class Data:
-    tokenizer: object
-    train: object
-    """The train Dataset; None when streaming (`batches` reads the stream)."""
-    eval: object | None
-    batches: StepBatches | StreamBatches
-    total_steps: int
-
-    def examples(self, g: int) -> list[dict]:
-        """This rank's examples of the run's micro-batch g."""
-        if isinstance(self.batches, StreamBatches):
-            return self.batches.examples(g)
-        return [self.train[i] for i in self.batches.indices(g)]
-
-    def position(self) -> dict:
-        """What a checkpoint records of where the data is besides the step number (the stream's place)."""
-        return {"stream": self.batches.position()} if isinstance(self.batches, StreamBatches) else {}
 
 
 @dataclass
@@ -134,43 +109,6 @@ def check_output(recipe: Recipe) -> OutputDecision:
     decision = output_dir.check_output(out.dir, out.resume, out.overwrite, inputs)
     set_seed(recipe.training.seed)
     return decision
-
-
-def load_data(recipe: Recipe, accelerator) -> Data:
-    """Tokenizer and datasets, all checked before the model is built; this rank's batches."""
-    t = recipe.training
-    tokenizer = load_tokenizer(recipe)
-    if recipe.data.streaming:
-        return load_stream(recipe, accelerator, tokenizer)
-    train_ds, eval_ds = build_once(
-        accelerator, recipe.data, lambda: build_datasets(recipe.data, tokenizer, t.seed)
-    )
-    world = accelerator.num_processes
-    batches = StepBatches(len(train_ds), t.micro_batch_size, world, accelerator.process_index, t.seed)
-    if batches.micro_per_epoch == 0:
-        raise UserError(
-            f"data.train has {len(train_ds)} usable examples, fewer than one global micro-batch "
-            f"({t.micro_batch_size} x {world} processes): lower training.micro_batch_size"
-        )
-    return Data(tokenizer, train_ds, eval_ds, batches, total_steps(t, batches))
-
-
-def load_stream(recipe: Recipe, accelerator, tokenizer) -> Data:
-    """`data.streaming`: the eval data built whole (it is small), the train data a stream (`stream.py`)
-    whose first rows are read now, so that a bad first row fails before the model is built."""
-    t, d = recipe.training, recipe.data
-    eval_ds = build_once(accelerator, d, lambda: build_eval_dataset(d, tokenizer, t.seed))
-    source = d.entries()[0]
-    fmt = source.format or d.format
-
-    def open_stream(position: dict):
-        return encoded_stream(source.path, fmt, d, tokenizer, position)
-
-    next(iter(open_stream(StreamBatches.START)), None)
-    world, rank = accelerator.num_processes, accelerator.process_index
-    return Data(
-        tokenizer, None, eval_ds, StreamBatches(open_stream, t.micro_batch_size, world, rank), t.max_steps
-    )
 
 
 def check_resume(output: OutputDecision, data: Data, found: dict, say) -> str | None:
@@ -258,7 +196,7 @@ def finish(trainer: Trainer, last: dict[str, float]) -> None:
     """The final model (gathered by the backend, written by rank 0) and the final metrics."""
     out, accelerator = trainer.recipe.output.dir, trainer.backend.accelerator
     state_dict = save_final(trainer.backend, trainer.model, trainer.data.tokenizer, out)
-    check_final(trainer, state_dict)
+    verify.check_final(trainer, state_dict)
     peak = trainer.memory.peak_mb
     trainer.say(f"memory: peak {peak:.0f} MiB over the process's memory before the model was built "
                 "(what `liger train --dry-run` estimates)")  # fmt: skip
@@ -266,27 +204,6 @@ def finish(trainer: Trainer, last: dict[str, float]) -> None:
         final = {**last, "peak_mem_growth_mb": peak}
         (out / FINAL_METRICS).write_text(json.dumps(final, indent=2))  # last: it marks the run complete
     trainer.say(f"done: final model in {out / 'final'}, metrics in {out / 'metrics.jsonl'}")
-
-
-def check_final(trainer: Trainer, state_dict: dict) -> None:
-    """What is saved is what was trained (`verify.py`): every rank runs the trained model on a probe
-    batch of the run's own data (a sharded forward is collective), then rank 0 reloads `final/` from
-    disk and compares. Rank 0 alone fails if they differ; the others have nothing left to wait for."""
-    recipe, backend = trainer.recipe, trainer.backend
-    if not recipe.output.verify:
-        trainer.say("final model not verified (output.verify: false)")
-        return
-    train, pad_id = trainer.data.train, trainer.data.tokenizer.pad_token_id
-    if train is None:  # streaming: the stream's first examples
-        examples = trainer.data.batches.probe(verify.PROBE_ROWS)
-    else:
-        examples = [train[i] for i in range(min(verify.PROBE_ROWS, len(train)))]
-    probe = verify.probe_batch(trainer.objective.collate(examples, pad_id))
-    logits = verify.logits_of(trainer.model, probe, backend.accelerator.device)
-    if backend.accelerator.is_main_process:
-        rtol = verify.logit_rtol(backend.plan.precision, model_dtype(recipe))
-        load = functools.partial(verify.load_final, recipe)
-        trainer.say(verify.verify_final(recipe.output.dir / "final", load, state_dict, logits, probe, rtol))
 
 
 # --- the loop ---------------------------------------------------------------------------------------------

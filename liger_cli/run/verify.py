@@ -13,13 +13,18 @@ adapter and the merged model.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from liger_cli import process_state
 from liger_cli.errors import RunFailed
+
+if TYPE_CHECKING:
+    from liger_cli.run.train import Trainer
 
 PROBE_ROWS, PROBE_TOKENS = 2, 64
 # The largest logit difference accepted, relative to the largest logit (fp32: kernels and summation
@@ -123,3 +128,26 @@ def load_final(recipe, final: Path) -> nn.Module:
     from peft import PeftModel
 
     return PeftModel.from_pretrained(load_base_model(recipe), final)
+
+
+def check_final(trainer: Trainer, state_dict: dict) -> None:
+    """Every rank runs the trained model on a probe
+    batch of the run's own data (a sharded forward is collective), then rank 0 reloads `final/` from
+    disk and compares. Rank 0 alone fails if they differ; the others have nothing left to wait for."""
+    recipe, backend = trainer.recipe, trainer.backend
+    if not recipe.output.verify:
+        trainer.say("final model not verified (output.verify: false)")
+        return
+    train, pad_id = trainer.data.train, trainer.data.tokenizer.pad_token_id
+    if train is None:  # streaming: the stream's first examples
+        examples = trainer.data.batches.probe(PROBE_ROWS)
+    else:
+        examples = [train[i] for i in range(min(PROBE_ROWS, len(train)))]
+    probe = probe_batch(trainer.objective.collate(examples, pad_id))
+    logits = logits_of(trainer.model, probe, backend.accelerator.device)
+    if backend.accelerator.is_main_process:
+        from liger_cli.model import model_dtype
+
+        rtol = logit_rtol(backend.plan.precision, model_dtype(recipe))
+        load = functools.partial(load_final, recipe)
+        trainer.say(verify_final(recipe.output.dir / "final", load, state_dict, logits, probe, rtol))

@@ -1,0 +1,74 @@
+"""The run's data, set up before the model: the tokenizer, the train and eval datasets (tokenized once
+per machine through the cache, `shared_data.py`) or the train stream (`data.streaming`), and which
+examples this rank takes at each micro-batch. Every row is checked here, before anything is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from liger_cli.data import build_datasets
+from liger_cli.data.batches import StepBatches, total_steps
+from liger_cli.data.build import build_eval_dataset
+from liger_cli.data.stream import StreamBatches, encoded_stream
+from liger_cli.data.tokenizer import load_tokenizer
+from liger_cli.errors import UserError
+from liger_cli.recipe import Recipe
+from liger_cli.run.shared_data import build_once
+
+
+@dataclass
+class Data:
+    tokenizer: object
+    train: object
+    """The train Dataset; None when streaming (`batches` reads the stream)."""
+    eval: object | None
+    batches: StepBatches | StreamBatches
+    total_steps: int
+
+    def examples(self, g: int) -> list[dict]:
+        """This rank's examples of the run's micro-batch g."""
+        if isinstance(self.batches, StreamBatches):
+            return self.batches.examples(g)
+        return [self.train[i] for i in self.batches.indices(g)]
+
+    def position(self) -> dict:
+        """What a checkpoint records of where the data is besides the step number (the stream's place)."""
+        return {"stream": self.batches.position()} if isinstance(self.batches, StreamBatches) else {}
+
+
+def load_data(recipe: Recipe, accelerator) -> Data:
+    """Tokenizer and datasets, all checked before the model is built; this rank's batches."""
+    t = recipe.training
+    tokenizer = load_tokenizer(recipe)
+    if recipe.data.streaming:
+        return load_stream(recipe, accelerator, tokenizer)
+    train_ds, eval_ds = build_once(
+        accelerator, recipe.data, lambda: build_datasets(recipe.data, tokenizer, t.seed)
+    )
+    world = accelerator.num_processes
+    batches = StepBatches(len(train_ds), t.micro_batch_size, world, accelerator.process_index, t.seed)
+    if batches.micro_per_epoch == 0:
+        raise UserError(
+            f"data.train has {len(train_ds)} usable examples, fewer than one global micro-batch "
+            f"({t.micro_batch_size} x {world} processes): lower training.micro_batch_size"
+        )
+    return Data(tokenizer, train_ds, eval_ds, batches, total_steps(t, batches))
+
+
+def load_stream(recipe: Recipe, accelerator, tokenizer) -> Data:
+    """`data.streaming`: the eval data built whole (it is small), the train data a stream (`stream.py`)
+    whose first rows are read now, so that a bad first row fails before the model is built."""
+    t, d = recipe.training, recipe.data
+    eval_ds = build_once(accelerator, d, lambda: build_eval_dataset(d, tokenizer, t.seed))
+    source = d.entries()[0]
+    fmt = source.format or d.format
+
+    def open_stream(position: dict):
+        return encoded_stream(source.path, fmt, d, tokenizer, position)
+
+    next(iter(open_stream(StreamBatches.START)), None)
+    world, rank = accelerator.num_processes, accelerator.process_index
+    return Data(
+        tokenizer, None, eval_ds, StreamBatches(open_stream, t.micro_batch_size, world, rank), t.max_steps
+    )
