@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import re
 
-from liger_cli.data.checks import train_infer_mismatches
+from liger_cli.data.checks import common_suffix, train_infer_mismatches
 from liger_cli.data.encode import IGNORE_INDEX, Encoded
 
 GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -123,9 +123,9 @@ def _turn_end(tokenizer, messages, tools, i: int, full: str, alone: str) -> int:
     edited = [dict(m) for m in messages]
     content = edited[i].get("content") or ""
     edited[i]["content"] = content + ("Q" if content.endswith("Z") else "Z")
-    content_end = len(full) - _common_suffix(full, render(tokenizer, edited, tools))
+    content_end = len(full) - common_suffix(full, render(tokenizer, edited, tools))
     alone_edited = render(tokenizer, edited[: i + 1], tools)
-    closer = alone[len(alone) - _common_suffix(alone, alone_edited) :]
+    closer = alone[len(alone) - common_suffix(alone, alone_edited) :]
     if not full.startswith(closer, content_end):
         raise ValueError(
             f'field "messages[{i}]": the chat template closes this assistant turn differently inside the '
@@ -215,15 +215,6 @@ def _missing_turn_ends(tokenizer, ids, labels, turns) -> list[tuple[str, str, st
 
 def _field(message_index: int | None) -> str:
     return "messages" if message_index is None else f"messages[{message_index}]"
-
-
-def _common_suffix(a: str, b: str) -> int:
-    n = 0
-    for x, y in zip(reversed(a), reversed(b), strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _without_nulls(value):

@@ -45,7 +45,7 @@ def train_infer_mismatches(tokenizer, messages, tools, ids, turns) -> list[tuple
         before, prompt = list(ids[:first]), list(prompt)
         if len(prompt) <= len(before) and before[len(before) - len(prompt) :] == prompt:
             continue
-        same = _common_suffix(before, prompt)
+        same = common_suffix(before, prompt)
         said = (
             f"the tokens before this turn end with {_tail(tokenizer, before, same)} in training, but the "
             f"generation prompt for messages[:{i}] (add_generation_prompt=True) ends with "
@@ -132,7 +132,8 @@ def _tail(tokenizer, ids: list[int], same: int) -> str:
     return f"{opening}{', '.join(repr(p) for p in pieces)}{more}]" if shown else "[] (nothing)"
 
 
-def _common_suffix(a: list[int], b: list[int]) -> int:
+def common_suffix(a: Sequence, b: Sequence) -> int:
+    """How many items the two sequences (token ids, or the characters of two strings) end with alike."""
     n = 0
     for x, y in zip(reversed(a), reversed(b), strict=False):
         if x != y:
