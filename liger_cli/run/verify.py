@@ -131,9 +131,9 @@ def load_final(recipe, final: Path) -> nn.Module:
 
 
 def check_final(trainer: Trainer, state_dict: dict) -> None:
-    """Every rank runs the trained model on a probe
-    batch of the run's own data (a sharded forward is collective), then rank 0 reloads `final/` from
-    disk and compares. Rank 0 alone fails if they differ; the others have nothing left to wait for."""
+    """The run's final check: every rank runs the trained model on a probe batch of the run's own data
+    (a sharded forward is collective), then rank 0 reloads `final/` from disk and compares. Rank 0
+    alone fails if they differ; the others have nothing left to wait for."""
     recipe, backend = trainer.recipe, trainer.backend
     if not recipe.output.verify:
         trainer.say("final model not verified (output.verify: false)")
