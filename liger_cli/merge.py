@@ -13,7 +13,6 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import yaml
@@ -128,20 +127,14 @@ def quantization_of(run_dir: Path) -> str | None:
 def adapter_on_4bit_logits(adapter_dir: Path, base: str, quantized: str, probe) -> torch.Tensor:
     """The adapter on the 4-bit base, loaded as the run loaded it: what was trained, on the probe."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import AutoModelForCausalLM
 
     from liger_cli.model import quantize as q
     from liger_cli.model.build import DTYPES
 
     settings = yaml.safe_load((adapter_dir.parent / "recipe.yaml").read_text())["model"]
-    q.require_bitsandbytes(SimpleNamespace(model=SimpleNamespace(quantize=quantized)))
     dtype = DTYPES.get(settings.get("dtype"), torch.float32)
-    config = BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type=quantized,
-        bnb_4bit_use_double_quant=settings.get("quantize_double", True),
-        bnb_4bit_compute_dtype=dtype,
-    )
+    config = q.quantization_config(quantized, settings.get("quantize_double", True), dtype)
     kwargs = {k: settings[k] for k in ("trust_remote_code", "attn_implementation") if settings.get(k)}
     model = AutoModelForCausalLM.from_pretrained(base, quantization_config=config, dtype=dtype, **kwargs)
     q.keep_exact_backward(model)

@@ -306,4 +306,4 @@ def test_without_bitsandbytes_is_a_user_error(monkeypatch, tiny_model_dir: Path,
 
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # `import bitsandbytes` raises ImportError
     with pytest.raises(UserError, match="model.quantize nf4 needs bitsandbytes, which does not load here"):
-        require_bitsandbytes(recipe_for(tiny_model_dir, tmp_path, quantize="nf4"))
+        require_bitsandbytes(recipe_for(tiny_model_dir, tmp_path, quantize="nf4").model.quantize)

@@ -82,7 +82,9 @@ def load_base_model(recipe: Recipe) -> nn.Module:
     if m.attn_implementation:
         kwargs["attn_implementation"] = m.attn_implementation
     if m.quantize != "none":  # QLoRA (quantize.py); the schema allows it with model.path only
-        kwargs["quantization_config"] = quantize.quantization_config(recipe, kwargs["dtype"])
+        kwargs["quantization_config"] = quantize.quantization_config(
+            m.quantize, m.quantize_double, kwargs["dtype"]
+        )
     if m.path is not None:
         model = AutoModelForCausalLM.from_pretrained(m.path, **kwargs, **m.load_kwargs)
         if m.quantize != "none":
@@ -176,7 +178,7 @@ def twin_adapter(recipe: Recipe):
 
     def add(model: nn.Module) -> nn.Module:
         if m.quantize != "none":  # the twin's linear layers in 4 bits, as the run's base is loaded
-            quantize.require_bitsandbytes(recipe)
+            quantize.require_bitsandbytes(recipe.model.quantize)
             quantize.quantize_linears(model, m.quantize, m.quantize_double)
         return get_peft_model(model, config)
 

@@ -29,15 +29,15 @@ def quantized(recipe) -> bool:
     return recipe.model.quantize != "none"
 
 
-def require_bitsandbytes(recipe):
-    """The bitsandbytes module, or a UserError saying why a quantized recipe cannot run here."""
+def require_bitsandbytes(quantize: str):
+    """The bitsandbytes module, or a UserError saying why `model.quantize: quantize` cannot run here."""
     process_state.silence_hub_kernel_notice()
     try:
         import bitsandbytes
     except Exception as err:  # ImportError, or a native library that does not load
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise UserError(
-            f"model.quantize {recipe.model.quantize} needs bitsandbytes, which does not load here ({first}): "
+            f"model.quantize {quantize} needs bitsandbytes, which does not load here ({first}): "
             "pip install bitsandbytes (Linux x86_64/aarch64, Windows, macOS arm64), or set model.quantize: none"
         ) from None
     return bitsandbytes
@@ -53,16 +53,16 @@ def describe(recipe, dtype: torch.dtype) -> str:
     )
 
 
-def quantization_config(recipe, dtype: torch.dtype):
-    """transformers' BitsAndBytesConfig for the recipe: compute in `dtype` (model.dtype's), uint8 storage."""
+def quantization_config(quantize: str, double: bool, dtype: torch.dtype):
+    """transformers' BitsAndBytesConfig: `quantize` (nf4/fp4) 4-bit weights in uint8 storage, compute in
+    `dtype` (model.dtype's); the run's and `liger merge`'s (which reads a finished run's settings)."""
     from transformers import BitsAndBytesConfig
 
-    require_bitsandbytes(recipe)
-    m = recipe.model
+    require_bitsandbytes(quantize)
     return BitsAndBytesConfig(
         load_in_4bit=True,
-        bnb_4bit_quant_type=m.quantize,
-        bnb_4bit_use_double_quant=m.quantize_double,
+        bnb_4bit_quant_type=quantize,
+        bnb_4bit_use_double_quant=double,
         bnb_4bit_compute_dtype=dtype,
     )
 

@@ -167,7 +167,7 @@ def _quantize(recipe: Recipe) -> str:
     from liger_cli.model import model_dtype
     from liger_cli.model import quantize as q
 
-    q.require_bitsandbytes(recipe)
+    q.require_bitsandbytes(recipe.model.quantize)
     return q.describe(recipe, model_dtype(recipe))
 
 
