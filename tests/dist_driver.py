@@ -3,8 +3,9 @@
 Started once per backend by torchrun (or plainly, for the 1-process references): a 2-process
 launch costs 10-20 s of imports, so the cases of a backend share it. Usage:
     python -m torch.distributed.run --nproc_per_node 2 tests/dist_driver.py SPEC.json
-SPEC: {"cases": [{"recipe": PATH, "env": {NAME: VALUE}}], "field_failure_1": RECIPE_PATH or null,
-"zero3_load": RECIPE_PATH or null}.
+SPEC: {"cases": [{"recipe": PATH, "env": {NAME: VALUE}, "uint8_storage": bool}], "field_failure_1":
+RECIPE_PATH or null, "zero3_load": RECIPE_PATH or null}. `uint8_storage` loads a QLoRA base the way
+other launchers do under a sharding backend (uint8 storage: the 4-bit weights stay whole on every rank).
 Each case trains through `liger_cli.run.train.run`, exactly as `liger train` does in each rank, and
 writes `checks.json` beside its metrics: whether embedding and lm_head are still one parameter, and
 how many elements of lm_head.weight this rank holds outside any forward (0 when ZeRO-3 partitions it).
@@ -96,6 +97,10 @@ def main() -> None:
         saved = {name: os.environ.get(name) for name in case.get("env", {})}
         os.environ.update(case.get("env", {}))
         recipe = load_recipe(case["recipe"])
+        if case.get("uint8_storage"):
+            from liger_cli.model import quantize
+
+            quantize.shards_weights = lambda recipe: False
         train.run(recipe, build_plan(recipe))
         for name, value in saved.items():
             if value is None:

@@ -5,6 +5,7 @@ plain runs."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import save_tiny_model
+from safetensors.torch import load_file
 from test_train import liger, recipe_text
 
 bnb = pytest.importorskip("bitsandbytes")
@@ -47,16 +49,8 @@ def recipe_for(model_dir: Path, tmp_path: Path, **model) -> Recipe:
     [
         ("adapter: {type: none}\n", ["model.quantize nf4", "full fine-tuning", "adapter.type lora"]),
         (
-            "distributed: {backend: fsdp2, num_processes: 2}\n",
-            ["nf4 with distributed.backend fsdp2", "not supported yet"],
-        ),
-        (
-            "distributed: {backend: fsdp1, num_processes: 2}\n",
-            ["nf4 with distributed.backend fsdp1", "one floating dtype"],
-        ),
-        (
-            "distributed: {backend: deepspeed, num_processes: 2}\n",
-            ["nf4 with distributed.backend deepspeed", "ZeRO-3"],
+            "distributed: {backend: fsdp1, num_processes: 2, fsdp: {cpu_offload: true}}\n",
+            ["nf4 with distributed.fsdp.cpu_offload", "cpu_offload: false"],
         ),
     ],
 )
@@ -251,29 +245,107 @@ def test_plain_run_has_no_bitsandbytes_notice(tiny_model_dir: Path, tmp_path: Pa
 # --- two real processes --------------------------------------------------------------------------------
 
 
-@pytest.mark.timeout(400)
-def test_ddp_two_processes_train_the_one_process_qlora(tmp_path: Path) -> None:
-    """QLoRA under DDP with 2 processes on gloo: per-step losses, eval losses and the saved adapter equal a
-    1-process run with the same global batch; each rank's final check reloads onto the 4-bit base."""
-    from test_distributed import QUICK_TRAIN, assert_same_run, losses, run_driver, write_recipe
+OVER = {"model__quantize": "nf4", "data__eval_fraction": 0.125, "training__eval_every": 2}
 
-    data = tmp_path / "train.jsonl"
+
+@pytest.fixture(scope="module")
+def qlora_assets(tmp_path_factory) -> dict:
+    """The tiny 64-wide model, 64 rows, and the 1-process QLoRA run every backend is compared with."""
+    from test_distributed import QUICK_TRAIN, run_driver, write_recipe
+
+    root = tmp_path_factory.mktemp("qlora-dist")
+    data = root / "train.jsonl"
     data.write_text("".join(QUICK_TRAIN.read_text().splitlines(keepends=True)[:64]))
-    assets = {
-        "model": save_tiny_model(tmp_path / "tiny64", hidden_size=64, intermediate_size=128),
-        "data": data,
-    }
-    over = {"model__quantize": "nf4", "data__eval_fraction": 0.125, "training__eval_every": 2}
-    (tmp_path / "ref").mkdir()
-    (tmp_path / "ddp").mkdir()
-    ref = write_recipe(assets, tmp_path / "ref" / "out", **over)
-    ddp = write_recipe(assets, tmp_path / "ddp" / "out", "ddp", **over)
-    run_driver({"cases": [{"recipe": str(ref)}]}, tmp_path / "ref", nproc=1)
-    proc = run_driver({"cases": [{"recipe": str(ddp)}]}, tmp_path / "ddp", nproc=2, timeout=360)
-    assert "DDP: gradients all-reduced over 2 processes" in proc.stdout + proc.stderr
-    assert_same_run(tmp_path / "ddp" / "out", tmp_path / "ref" / "out")
-    got, want = (losses(tmp_path / d / "out", "eval_loss") for d in ("ddp", "ref"))
+    assets = {"model": save_tiny_model(root / "tiny64", hidden_size=64, intermediate_size=128), "data": data}
+    (root / "ref").mkdir()
+    ref = write_recipe(assets, root / "ref" / "out", **OVER)
+    run_driver({"cases": [{"recipe": str(ref)}]}, root / "ref", nproc=1)
+    return {**assets, "ref": root / "ref" / "out"}
+
+
+SHARDED = "4-bit weights: 18432 of 36864 bytes on this rank, each held once per shard group"
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize(
+    "backend, over, says",
+    [
+        ("ddp", {}, "DDP: gradients all-reduced over 2 processes"),
+        ("fsdp1", {}, "; 4-bit weights: "),
+        ("fsdp2", {}, SHARDED),
+        ("deepspeed", {}, SHARDED),
+        ("deepspeed", {"distributed__zero_stage": 2}, "ZeRO-2: parameters replicated"),
+    ],
+    ids=["ddp", "fsdp1", "fsdp2", "zero3", "zero2"],
+)
+def test_two_processes_train_the_one_process_qlora(
+    qlora_assets: dict, tmp_path: Path, backend: str, over: dict, says: str
+) -> None:
+    """QLoRA with 2 processes on gloo under every backend: per-step losses, eval losses and the saved
+    adapter equal a 1-process run with the same global batch, and a resume from its checkpoint gives
+    the same last steps; where the backend shards weights the
+    4-bit weights are held once over the ranks (the sharding check counts them, and the 64-wide model's
+    36,864 packed bytes split evenly under FSDP-2 and ZeRO-3); the final check reloads onto the 4-bit
+    base."""
+    if backend == "deepspeed":
+        pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (scripts/setup.sh installs it)")
+    from test_distributed import assert_same_run, losses, run_driver, write_recipe
+
+    out, resumed = tmp_path / "out", tmp_path / "resumed"
+    recipe = write_recipe(qlora_assets, out, backend, **OVER, **over, output__save_every=2)
+    resume = write_recipe(
+        qlora_assets, resumed, backend, **OVER, **over, output__resume=str(out / "checkpoints" / "step-2")
+    )
+    proc = run_driver(
+        {"cases": [{"recipe": str(recipe)}, {"recipe": str(resume)}]}, tmp_path, nproc=2, timeout=360
+    )
+    log = proc.stdout + proc.stderr
+    assert says in log, log[-3000:]
+    assert log.count("final model verified") == 2
+    assert_same_run(out, qlora_assets["ref"])
+    got, want = (losses(d, "eval_loss") for d in (out, qlora_assets["ref"]))
     assert len(want) >= 2 and got == pytest.approx(want, abs=1e-5, rel=0)
+    # Resumed from its step-2 checkpoint under the same backend: the same last steps and adapter.
+    assert losses(resumed) == pytest.approx(losses(out)[2:], abs=1e-5, rel=0)
+    got, want = (load_file(d / "final" / "adapter_model.safetensors") for d in (resumed, out))
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], atol=1e-6, rtol=1e-5, msg=key)
+
+
+def test_a_checkpoint_loads_back_strictly_and_checks_the_statistics(model64: Path, tmp_path: Path) -> None:
+    """bitsandbytes writes each 4-bit layer's statistics into the state dict but does not read them back,
+    so a strict load (FSDP-1's resume) would refuse its own checkpoint: liger checks them against the
+    loaded base's, bit for bit, and takes them out; a changed one is an error naming it."""
+    from liger_cli.model import load_base_model
+
+    model = load_base_model(recipe_for(model64, tmp_path, quantize="nf4"))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    assert any(k.endswith("weight.absmax") for k in state)
+    model.load_state_dict(state, strict=True)
+    key = next(k for k in state if k.endswith("q_proj.weight.absmax"))
+    state[key] = state[key] + 1
+    with pytest.raises(
+        RuntimeError, match=f"{key}: the checkpoint's 4-bit statistics are not the loaded base's"
+    ):
+        model.load_state_dict(state, strict=True)
+
+
+@pytest.mark.timeout(300)
+def test_replicated_4bit_weights_are_a_downgrade(qlora_assets: dict, tmp_path: Path) -> None:
+    """The 4-bit weights loaded the way other launchers load them under FSDP-2 (uint8 storage, which
+    accelerate leaves out of sharding, whole on every rank) stop the run with the count, not a
+    silent replication."""
+    from test_distributed import DRIVER, child_env, free_port, write_recipe
+
+    recipe = write_recipe(qlora_assets, tmp_path / "out", "fsdp2", **OVER)
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"cases": [{"recipe": str(recipe), "uint8_storage": True}]}))
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+            "--master_port", str(free_port()), str(DRIVER), str(spec)]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=280, env=child_env(), cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "the 4-bit weights are held 2 times over the 2 ranks, not 1" in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
 @pytest.mark.parametrize("double", [True, False])
@@ -299,6 +371,55 @@ def test_memory_plan_counts_4bit_bytes(double: bool) -> None:
     stored = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     adapter = 74_752 * 4  # r 16 on every linear layer, fp32 (the run's log: 74,752 trainable)
     assert planned == pytest.approx(stored + adapter, rel=0.01)
+
+
+def _stored_4bit(model) -> tuple[int, int, int]:
+    """(packed 4-bit bytes, their statistics' bytes, every other tensor's bytes) of a loaded model."""
+    packed = stats = other = 0
+    four_bit = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    for name, tensor in model.state_dict().items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if name in four_bit:
+            packed += nbytes
+        elif any(name.startswith(f"{w}.") for w in four_bit):
+            stats += nbytes
+        else:
+            other += nbytes
+    return packed, stats, other
+
+
+def test_sharded_plans_count_4bit_bytes(tmp_path: Path) -> None:
+    """Under FSDP-2 with 2 processes the memory plan shards the packed 4-bit weights and keeps their
+    statistics whole on every rank; `inspect-wrap --recipe` sizes each decoder layer at its stored
+    (4-bit) bytes, with float32 storage as the run loads it: all against a loaded model, within 1%."""
+    from test_train import REPO
+    from transformers import AutoModelForCausalLM
+
+    from liger_cli.model import quantize
+
+    recipe_path = tmp_path / "qlora-fsdp2.yaml"
+    text = (
+        (REPO / "recipes" / "qlora.yaml").read_text().replace(" quickstart/", f" {REPO}/recipes/quickstart/")
+    )
+    recipe_path.write_text(text + "distributed: {backend: fsdp2, num_processes: 2}\n")
+    proc = liger("train", str(recipe_path), "--dry-run", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    planned = json.loads(proc.stdout)["memory"]["components"]["parameters"]
+    config = quantize.quantization_config("nf4", True, torch.float32, storage=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        REPO / "recipes" / "quickstart" / "model", quantization_config=config
+    )
+    packed, stats, other = _stored_4bit(model)
+    adapter = 74_752 * 4
+    assert planned == pytest.approx((packed + other + adapter) / 2 + stats, rel=0.01)
+
+    proc = liger("inspect-wrap", "--recipe", str(recipe_path), "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    units = [u for u in json.loads(proc.stdout)["units"] if u["class"] == "LlamaDecoderLayer"]
+    layer = model.model.layers[0]
+    stored = sum(t.numel() * t.element_size() for t in layer.state_dict().values())
+    layer_adapter = 37_376 * 4  # the inspected layer's LoRA weights (r 16), fp32
+    assert units and all(u["bytes"] == pytest.approx(stored + layer_adapter, rel=0.01) for u in units)
 
 
 def test_without_bitsandbytes_is_a_user_error(monkeypatch, tiny_model_dir: Path, tmp_path: Path) -> None:

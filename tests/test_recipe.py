@@ -176,6 +176,11 @@ BAD = [
     (GOOD, ["training.lr=abc"], ["--set training.lr=abc", "training.lr", "valid number"]),
     (GOOD, ["training.lr"], ["expected KEY=VALUE"]),
     (GOOD, ["kernels.cross_entropy=true"], ["mutually exclusive"]),
+    (
+        GOOD,
+        ["distributed.backend=fsdp1", "distributed.num_processes=2", "distributed.fsdp.sharding=no_shard"],
+        ["no_shard with an adapter fails at FSDP-1's final save", "distributed.backend ddp"],
+    ),
     (GOOD, ["training.max_steps.x=1"], ["`training.max_steps` is not a section"]),
     (GOOD, ["output.resume=does/not/exist"], ["output.resume checkpoint folder not found"]),
     # Control characters, and values PyYAML cannot build: the line, no traceback.

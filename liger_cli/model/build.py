@@ -82,13 +82,15 @@ def load_base_model(recipe: Recipe) -> nn.Module:
     if m.attn_implementation:
         kwargs["attn_implementation"] = m.attn_implementation
     if m.quantize != "none":  # QLoRA (quantize.py); the schema allows it with model.path only
+        storage = kwargs["dtype"] if quantize.shards_weights(recipe) else torch.uint8
         kwargs["quantization_config"] = quantize.quantization_config(
-            m.quantize, m.quantize_double, kwargs["dtype"]
+            m.quantize, m.quantize_double, kwargs["dtype"], storage
         )
     if m.path is not None:
         model = AutoModelForCausalLM.from_pretrained(m.path, **kwargs, **m.load_kwargs)
         if m.quantize != "none":
             quantize.keep_exact_backward(model)
+            quantize.resume_checks_statistics(model)
     else:
         torch.manual_seed(recipe.training.seed)
         model = AutoModelForCausalLM.from_config(read_config(m.config, m.trust_remote_code), **kwargs)
@@ -118,7 +120,7 @@ def add_adapter(model: nn.Module, recipe: Recipe, low_cpu_mem_usage: bool = Fals
         return model
     from peft import get_peft_model
 
-    if recipe.model.quantize != "none" and not low_cpu_mem_usage:
+    if quantize.quantized(recipe) and not quantize.shards_weights(recipe) and not low_cpu_mem_usage:
         model = quantize.prepare_for_training(model)
     try:
         return get_peft_model(model, _peft_config(recipe), low_cpu_mem_usage=low_cpu_mem_usage)

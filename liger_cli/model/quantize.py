@@ -29,6 +29,17 @@ def quantized(recipe) -> bool:
     return recipe.model.quantize != "none"
 
 
+def shards_weights(recipe) -> bool:
+    """The recipe's backend shards the frozen base's weights: FSDP-1, FSDP-2 and ZeRO-3.
+
+    Their units flatten (FSDP-1) or split (FSDP-2, ZeRO-3) every weight as one floating dtype, so the
+    4-bit weights are stored in the model's dtype (the same packed bytes, reinterpreted), and the norms
+    are not upcast to fp32 as peft's k-bit preparation does (FSDP-1: "Must flatten tensors with uniform
+    dtype"). Single process, DDP and ZeRO-2 keep uint8 storage and the usual preparation."""
+    d = recipe.distributed
+    return d.backend in ("fsdp1", "fsdp2") or (d.backend == "deepspeed" and d.zero_stage == 3)
+
+
 def require_bitsandbytes(quantize: str):
     """The bitsandbytes module, or a UserError saying why `model.quantize: quantize` cannot run here."""
     process_state.silence_hub_kernel_notice()
@@ -48,14 +59,17 @@ def describe(recipe, dtype: torch.dtype) -> str:
     m = recipe.model
     double = "double quantization" if m.quantize_double else "no double quantization"
     name = str(dtype).removeprefix("torch.")
+    stored = f", packed in {name} storage so they shard" if shards_weights(recipe) else ""
     return (
-        f"{m.quantize} 4-bit linear layers ({double}), compute in {name}; lm_head and embeddings unquantized"
+        f"{m.quantize} 4-bit linear layers ({double}{stored}), compute in {name}; lm_head and embeddings "
+        "unquantized"
     )
 
 
-def quantization_config(quantize: str, double: bool, dtype: torch.dtype):
-    """transformers' BitsAndBytesConfig: `quantize` (nf4/fp4) 4-bit weights in uint8 storage, compute in
-    `dtype` (model.dtype's); the run's and `liger merge`'s (which reads a finished run's settings)."""
+def quantization_config(quantize: str, double: bool, dtype: torch.dtype, storage: torch.dtype = torch.uint8):
+    """transformers' BitsAndBytesConfig: `quantize` (nf4/fp4) 4-bit weights packed in `storage` (uint8,
+    or the model's dtype where the backend shards them: `shards_weights`), compute in `dtype`
+    (model.dtype's); the run's and `liger merge`'s (which reads a finished run's settings)."""
     from transformers import BitsAndBytesConfig
 
     require_bitsandbytes(quantize)
@@ -64,6 +78,7 @@ def quantization_config(quantize: str, double: bool, dtype: torch.dtype):
         bnb_4bit_quant_type=quantize,
         bnb_4bit_use_double_quant=double,
         bnb_4bit_compute_dtype=dtype,
+        bnb_4bit_quant_storage=storage,
     )
 
 
@@ -134,3 +149,40 @@ def dequantized_weight(layer) -> torch.Tensor:
 def is_4bit(tensor: torch.Tensor) -> bool:
     """A 4-bit packed weight (bitsandbytes' Params4bit)."""
     return type(tensor).__name__ == "Params4bit"
+
+
+def four_bit_layers(model: nn.Module) -> list[nn.Module]:
+    """Every bitsandbytes 4-bit linear layer of `model` (none without bitsandbytes loaded)."""
+    import sys
+
+    bnb = sys.modules.get("bitsandbytes")
+    if bnb is None:
+        return []
+    return [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+
+
+def packed_bytes(layer: nn.Module) -> int:
+    """The bytes of a 4-bit layer's packed weight, unsharded: two weights a byte, whatever the storage
+    dtype (its quantization statistics are kept apart, whole on every rank)."""
+    return -(-layer.quant_state.shape.numel() // 2)
+
+
+def resume_checks_statistics(model: nn.Module) -> None:
+    """Let a checkpoint of the model load back (strictly, as FSDP-1's resume does): bitsandbytes writes
+    each 4-bit layer's quantization statistics into the state dict (`weight.absmax`, ...) but does not
+    read them back. They are frozen with the base, so each is checked bit for bit against the loaded
+    base's, and taken out of the state dict; one that differs is a load error naming it."""
+    for layer in four_bit_layers(model):
+        layer.register_load_state_dict_pre_hook(_check_statistics)
+
+
+def _check_statistics(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+    own = getattr(module.weight, "quant_state", None) or module.quant_state
+    expected = {f"{prefix}weight.{k}": v for k, v in own.as_dict(packed=True).items()}
+    for key in [k for k in state_dict if k.startswith(f"{prefix}weight.")]:
+        saved, mine = state_dict.pop(key), expected.get(key)
+        same = mine is not None and saved.shape == mine.shape and saved.dtype == mine.dtype
+        if not (
+            same and torch.equal(saved.reshape(-1).view(torch.uint8), mine.reshape(-1).view(torch.uint8))
+        ):
+            errors.append(f"{key}: the checkpoint's 4-bit statistics are not the loaded base's")

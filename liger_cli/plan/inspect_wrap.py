@@ -116,6 +116,7 @@ def inspect_command(
         fused_linear_cross_entropy=settings["flce"],
         activation_checkpointing=settings["ac"],
         check_ambient_config=check_ambient,
+        stored_bytes=_stored_bytes(recipe_loaded, built),
     )
     memory = _memory(recipe_loaded, plan, built, device_memory) if plan is not None else None
     if recipe is not None and plan is None:
@@ -137,6 +138,15 @@ def inspect_command(
 
 
 # --- internals -------------------------------------------------------------------------------------------
+
+
+def _stored_bytes(recipe: Recipe | None, built: nn.Module) -> dict[int, int]:
+    """QLoRA: the base's linear weights at their 4-bit size (packed weights and statistics)."""
+    if recipe is None:
+        return {}
+    from liger_cli.plan.memory import four_bit_bytes
+
+    return {key: packed + stats for key, (packed, stats) in four_bit_bytes(recipe, built).items()}
 
 
 def _memory(recipe: Recipe, plan: Plan, built: nn.Module, device_memory: int | None):

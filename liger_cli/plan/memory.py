@@ -50,6 +50,9 @@ class Facts:
     lm_head_trainable: bool
     device: str
     unmeasured: str = ""
+    whole_bytes: int = 0
+    """Of param_bytes, what no backend shards: QLoRA's quantization statistics (kept beside each 4-bit
+    weight, not as parameters)."""
 
 
 @dataclass(frozen=True)
@@ -169,8 +172,15 @@ def estimate(facts: Facts, s: Settings) -> tuple[dict[str, int], dict[str, str]]
     def share(nbytes: int, part: str) -> int:
         return -(-nbytes // n) if part in shards else nbytes
 
-    parts = {"parameters": share(facts.param_bytes, "parameters")}
-    notes = {"parameters": f"1/{n} of {size(facts.param_bytes)}" if "parameters" in shards else "all of them"}
+    sharded = facts.param_bytes - facts.whole_bytes
+    parts = {"parameters": share(sharded, "parameters") + facts.whole_bytes}
+    notes = {"parameters": f"1/{n} of {size(sharded)}" if "parameters" in shards else "all of them"}
+    if "parameters" in shards and facts.whole_bytes:
+        notes["parameters"] += f" + the 4-bit statistics, {size(facts.whole_bytes)}, on every rank"
+    if s.backend == "deepspeed" and "parameters" in shards and facts.whole_bytes:
+        notes["parameters"] += (
+            f" (loading: all {size(facts.param_bytes)}, partitioned when the engine starts)"
+        )
     if "parameters" in shards:
         parts["gathered unit"] = facts.largest_unit_bytes - share(facts.largest_unit_bytes, "parameters")
         notes["gathered unit"] = "the largest unit's other shards, during its forward and backward"
@@ -297,10 +307,10 @@ def measure_facts(recipe: Recipe, plan: Plan, model: nn.Module) -> Facts:
     from liger_cli.plan.wrap import resolve_wrap_classes
 
     params = {id(p): p for p in model.parameters()}  # a tied weight once
-    four_bit = _four_bit_bytes(recipe, model)
+    four_bit = four_bit_bytes(recipe, model)
 
     def nbytes(p) -> int:
-        return four_bit.get(id(p), p.numel() * p.element_size())
+        return sum(four_bit[id(p)]) if id(p) in four_bit else p.numel() * p.element_size()
 
     param_bytes = sum(nbytes(p) for p in params.values())
     trainable = sum(p.numel() * p.element_size() for p in params.values() if p.requires_grad)
@@ -334,14 +344,16 @@ def measure_facts(recipe: Recipe, plan: Plan, model: nn.Module) -> Facts:
         lm_head_trainable=bool(head is not None and head.weight.requires_grad),
         device=plan.device,
         unmeasured=unmeasured,
+        whole_bytes=sum(stats for _, stats in four_bit.values()),
     )
 
 
-def _four_bit_bytes(recipe: Recipe, model: nn.Module) -> dict[int, int]:
-    """QLoRA: what each base linear weight takes in 4 bits (id -> bytes), as bitsandbytes stores it:
-    two weights a byte, one absmax per 64-weight block (a uint8 with double quantization, plus one
-    float32 per 256 blocks and its 256-value code; float32 without), and the 16-value code. lm_head and
-    the adapter's own layers stay as they are (tested against a loaded model's state dict)."""
+def four_bit_bytes(recipe: Recipe, model: nn.Module) -> dict[int, tuple[int, int]]:
+    """QLoRA: what each base linear weight takes in 4 bits (id -> (packed bytes, statistics bytes)), as
+    bitsandbytes stores it: two weights a byte (in any storage dtype), one absmax per 64-weight block (a
+    uint8 with double quantization, plus one float32 per 256 blocks and its 256-value code; float32
+    without), and the 16-value code. lm_head and the adapter's own layers stay as they are (tested
+    against a loaded model's state dict). The packed bytes shard; the statistics stay whole."""
     if recipe.model.quantize == "none":
         return {}
     double = recipe.model.quantize_double
@@ -352,5 +364,5 @@ def _four_bit_bytes(recipe: Recipe, model: nn.Module) -> dict[int, int]:
         n = module.weight.numel()
         blocks = -(-n // 64)
         scales = blocks + 4 * -(-blocks // 256) + 256 * 4 if double else 4 * blocks  # + the nested code
-        found[id(module.weight)] = n // 2 + scales + 16 * 4  # + the 16-value code (quant_map)
+        found[id(module.weight)] = (n // 2, scales + 16 * 4)  # + the 16-value code (quant_map)
     return found

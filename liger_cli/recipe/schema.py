@@ -269,16 +269,6 @@ class LoggingSection(_Section):
     jsonl: bool = True
 
 
-# Sharding backends with a 4-bit base: refused (README, Distributed), with the reason.
-UNQUANTIZED_BACKENDS = {
-    "fsdp1": "its flat units need one floating dtype, and sharded 4-bit weights are not yet tested "
-    "against one process",
-    "fsdp2": "sharded 4-bit weights are not yet tested against one process",
-    "deepspeed": "ZeRO-3 does not partition 4-bit weights at load time, and ZeRO-2 is not yet tested "
-    "with them",
-}
-
-
 class Recipe(_Section):
     model: ModelSection
     adapter: AdapterSection = Field(default_factory=AdapterSection)
@@ -307,6 +297,13 @@ class Recipe(_Section):
         if objective != "sft":
             self.preference.check(objective)
         self._quantized_needs()
+        d = self.distributed
+        if d.backend == "fsdp1" and d.fsdp.sharding == "no_shard" and self.adapter.type != "none":
+            raise ValueError(
+                "distributed.fsdp.sharding no_shard with an adapter fails at FSDP-1's final save (its full "
+                "state dict misses the base's weights): use distributed.backend ddp, which shards nothing "
+                "either, or sharding full"
+            )
         if self.data.streaming and self.training.max_steps is None:
             raise ValueError(
                 "data.streaming needs training.max_steps (a stream has no known length, so no epochs): "
@@ -316,7 +313,7 @@ class Recipe(_Section):
 
     def _quantized_needs(self) -> None:
         """A 4-bit base trains only through an adapter, and only where its weights can be placed."""
-        q, backend = self.model.quantize, self.distributed.backend
+        q, backend = self.model.quantize, self.distributed.backend  # every backend: tests/test_qlora.py
         if q == "none":
             return
         if self.adapter.type == "none":
@@ -324,10 +321,11 @@ class Recipe(_Section):
                 f"model.quantize {q} freezes the base in 4 bits, so full fine-tuning (adapter.type none) "
                 "cannot train it: set adapter.type lora (QLoRA) or dora, or set model.quantize: none"
             )
-        if backend in UNQUANTIZED_BACKENDS:
+        if backend in ("fsdp1", "fsdp2") and self.distributed.fsdp.cpu_offload:
             raise ValueError(
-                f"model.quantize {q} with distributed.backend {backend} is not supported yet: "
-                f"{UNQUANTIZED_BACKENDS[backend]}; use distributed.backend ddp (or none), or model.quantize: none"
+                f"model.quantize {q} with distributed.fsdp.cpu_offload is not supported: offloading 4-bit "
+                "weights is untested (it needs a GPU); set distributed.fsdp.cpu_offload: false (the 4-bit "
+                "base is already about a quarter of bf16), or model.quantize: none"
             )
 
     def to_yaml(self) -> str:

@@ -7,7 +7,7 @@ shapes, dtypes and `requires_grad`) and adds the warnings of `rules.py`.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -33,6 +33,7 @@ def plan_units(
     use_cache: bool | None = None,
     check_ambient_config: bool = True,
     accelerate_config: Path | str | None = None,
+    stored_bytes: Mapping[int, int] | None = None,
 ) -> WrapReport:
     """Replay accelerate's FSDP auto-wrap on `model` and report the units, sizes and known failures.
 
@@ -42,7 +43,8 @@ def plan_units(
     Everything else stays in the root unit. Pass a `WrapResolution` to carry its source and warnings.
     `use_cache` defaults to `model.config.use_cache`. `check_ambient_config` looks for accelerate's default
     config file (at `accelerate_config`, default accelerate's own path); turn it off when the recipe names
-    its own accelerate config.
+    its own accelerate config. `stored_bytes` (id(parameter) -> bytes) gives the size of parameters
+    stored other than as their dtype says: QLoRA's 4-bit weights.
     """
     if backend not in FSDP_BACKENDS:
         raise UserError(f"Unknown FSDP backend {backend!r}; use {' or '.join(FSDP_BACKENDS)}")
@@ -58,6 +60,10 @@ def plan_units(
     params = list(model.parameters())  # parameters() yields a tied Parameter once
     paths = {id(m): name or ROOT for name, m in model.named_modules()}
     n = num_processes
+    stored = stored_bytes or {}
+
+    def nbytes(owned: Iterable[torch.Tensor]) -> int:
+        return sum(stored.get(id(p), p.numel() * p.element_size()) for p in owned)
 
     units = []
     for index, (modules, reason) in enumerate(groups):
@@ -68,13 +74,13 @@ def plan_units(
                 cls=" + ".join(type(m).__name__ for m in modules),
                 params=sum(p.numel() for p in owned),
                 trainable_params=sum(p.numel() for p in owned if p.requires_grad),
-                bytes=_nbytes(owned),
-                bytes_per_rank=ceil_div(_nbytes(owned), n),
+                bytes=nbytes(owned),
+                bytes_per_rank=ceil_div(nbytes(owned), n),
                 reason=reason,
             )
         )
     root = [p for p in params if owners[id(p)][0] is None]
-    root_bytes = _nbytes(root)
+    root_bytes = nbytes(root)
     largest = max((u.bytes for u in units), default=0)
     bytes_per_rank = sum(u.bytes_per_rank for u in units) + ceil_div(root_bytes, n)
     # The root stays gathered from forward into backward (FSDP-1 and FSDP-2 both skip the root's reshard
@@ -103,7 +109,7 @@ def plan_units(
         root_modules=_root_modules(model, owners),
         total_params=sum(p.numel() for p in params),
         trainable_params=sum(p.numel() for p in params if p.requires_grad),
-        total_bytes=_nbytes(params),
+        total_bytes=nbytes(params),
         bytes_per_rank=bytes_per_rank,
         peak_bytes_per_rank=peak,
         lm_head_unit=unit_of(output_embed),
@@ -132,10 +138,6 @@ def plan_units(
 
 
 # --- the model as accelerate sees it ---------------------------------------------------------------------
-
-
-def _nbytes(params: Iterable[torch.Tensor]) -> int:
-    return sum(p.numel() * p.element_size() for p in params)
 
 
 def _dtype_name(params: Sequence[torch.Tensor]) -> str:

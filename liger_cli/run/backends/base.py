@@ -96,6 +96,32 @@ class Backend:
         """After `prepare`: the model is wrapped and sharded as planned (no silent downgrade); says how."""
         return "single process"
 
+    def check_four_bit(self, model: nn.Module, shards: int) -> str:
+        """QLoRA under a sharding backend: the 4-bit weights' packed bytes held by this rank, summed over
+        the ranks, must be the model's 4-bit bytes x world/shards (each byte held by one rank of a
+        shard group, give or take ZeRO-3's padding), not x world (replicated on every rank: the downgrade users meet, e.g. uint8
+        storage under accelerate's FSDP). The sum, not each rank's share, is checked: FSDP-1 cuts
+        its flat units where they fall, so one rank may hold more of the 4-bit bytes than another.
+        Collective: every rank calls it."""
+        from liger_cli.model import quantize
+
+        layers = quantize.four_bit_layers(model)
+        if not layers:
+            return ""
+        world = self.accelerator.num_processes
+        full = sum(quantize.packed_bytes(layer) for layer in layers)
+        local = sum(_local_bytes(layer.weight) for layer in layers)
+        held = torch.tensor([local], dtype=torch.int64, device=self.accelerator.device)
+        total = int(self.accelerator.reduce(held, reduction="sum").item())
+        expected = full * (world // shards)
+        padding = world * 8 * len(layers)  # ZeRO-3 pads each partition to whole elements
+        if not expected <= total <= expected + padding:
+            raise DowngradeError(
+                f"the 4-bit weights are held {total / full:.3g} times over the {world} ranks, not "
+                f"{world // shards}: they are not sharded as the recipe asks ({self.name})"
+            )
+        return f"; 4-bit weights: {local} of {full} bytes on this rank, each held once per shard group"
+
     def gather_for_fused_loss(self, model: nn.Module) -> str | None:
         """Make the fused loss see the whole lm_head.weight; says what was done (None: nothing needed).
 
@@ -149,6 +175,16 @@ class Backend:
         self.accelerator.load_state(
             str(checkpoint_dir), load_kwargs={"weights_only": True}, strict=not adapter
         )
+
+
+def _local_bytes(param: torch.Tensor) -> int:
+    """The bytes of `param` this rank stores: ZeRO-3's partition, FSDP-2's local shard, or FSDP-1's
+    view of its flat unit's shard (empty when it lies on another rank)."""
+    if hasattr(param, "ds_tensor"):
+        param = param.ds_tensor
+    elif hasattr(param, "to_local"):
+        param = param.to_local()
+    return param.numel() * param.element_size()
 
 
 class SingleProcess(Backend):

@@ -73,6 +73,7 @@ class _Fsdp(Backend):
         world = self.accelerator.num_processes
         d = self.recipe.distributed
         shards = {"no_shard": 1, "hybrid": world // d.num_machines}.get(d.fsdp.sharding, world)
+        four_bit = self.check_four_bit(model, shards)  # first: it names the 4-bit downgrade exactly
         name, unit = self._unit(model)
         local, full = self.shard_sizes(model, name, unit)
         if not (local <= -(-full // shards) + shards and (shards == 1 or local < full)):
@@ -80,7 +81,7 @@ class _Fsdp(Backend):
                 f"{name} holds {local} of its {full} parameters on this rank, not 1/{shards}: "
                 f"the model is not sharded as the recipe asks ({self.name})"
             )
-        return f"{self.name}: {name} holds {local} of {full} parameters on this rank (1/{shards})"
+        return f"{self.name}: {name} holds {local} of {full} parameters on this rank (1/{shards}){four_bit}"
 
     def shard_sizes(self, model: nn.Module, name: str, unit: nn.Module) -> tuple[int, int]:
         raise NotImplementedError

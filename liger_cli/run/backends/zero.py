@@ -86,7 +86,8 @@ class DeepSpeed(Backend):
         local = sum(p.ds_tensor.numel() for p in params)
         if not local <= -(-full // world) + world * len(params) or local >= full:
             raise DowngradeError(f"ZeRO-3 holds {local} of {full} parameters on this rank, not 1/{world}")
-        return f"deepspeed ZeRO-3: {local} of {full} parameters on this rank (1/{world})"
+        four_bit = self.check_four_bit(model, world)
+        return f"deepspeed ZeRO-3: {local} of {full} parameters on this rank (1/{world}){four_bit}"
 
     def gather_for_fused_loss(self, model: nn.Module) -> str | None:
         """ZeRO-3 gathers a module's parameters only around its own forward: lm_head.weight is
