@@ -312,6 +312,27 @@ def test_two_processes_train_the_one_process_qlora(
         torch.testing.assert_close(got[key], want[key], atol=1e-6, rtol=1e-5, msg=key)
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("quantize", ["nf4", "none"])
+def test_fsdp1_bfloat16_base_trains_with_the_adapter_in_its_dtype(
+    qlora_assets: dict, tmp_path: Path, quantize
+):
+    """A bfloat16 base (4-bit or not) with LoRA under FSDP-1: peft would keep the adapter in float32 and
+    FSDP-1 could not flatten the units ("Must flatten tensors with uniform dtype"); the adapter takes the
+    model's dtype, the Plan says so, and the losses stay within 0.02 of the float32 QLoRA run's."""
+    from test_distributed import losses, run_driver, write_recipe
+
+    over = {**OVER, "model__quantize": quantize, "model__dtype": "bfloat16"}
+    recipe = write_recipe(qlora_assets, tmp_path / "out", "fsdp1", **over)
+    proc = run_driver({"cases": [{"recipe": str(recipe)}]}, tmp_path, nproc=2, timeout=280)
+    plan = (tmp_path / "out" / "plan.txt").read_text()
+    assert "adapter weights in bfloat16, the model's dtype: FSDP-1 flattens each unit into one dtype" in plan
+    assert "final model verified" in proc.stdout
+    assert ("; 4-bit weights: " in proc.stdout) == (quantize == "nf4")
+    want = losses(qlora_assets["ref"])
+    assert losses(tmp_path / "out") == pytest.approx(want, abs=0.02, rel=0)
+
+
 def test_a_checkpoint_loads_back_strictly_and_checks_the_statistics(model64: Path, tmp_path: Path) -> None:
     """bitsandbytes writes each 4-bit layer's statistics into the state dict but does not read them back,
     so a strict load (FSDP-1's resume) would refuse its own checkpoint: liger checks them against the

@@ -7,6 +7,7 @@ later in the flow from this stage's meta model. May import `recipe` and `data`.
 """
 
 from liger_cli.model.build import (
+    adapter_in_model_dtype,
     add_adapter,
     build_meta_model_for,
     build_model,
@@ -21,6 +22,7 @@ from liger_cli.model.build import (
 )
 
 __all__ = [
+    "adapter_in_model_dtype",
     "add_adapter",
     "build_meta_model_for",
     "build_model",

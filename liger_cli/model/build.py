@@ -114,6 +114,14 @@ def _peft_config(recipe: Recipe):
     )
 
 
+def adapter_in_model_dtype(recipe: Recipe) -> bool:
+    """FSDP-1 flattens each unit into one tensor of one dtype ("Must flatten tensors with uniform
+    dtype"), and peft keeps adapter weights in float32 under a half-precision base: under FSDP-1 the
+    adapter takes the model's dtype instead (the Plan says so)."""
+    half = model_dtype(recipe) in (torch.bfloat16, torch.float16)
+    return recipe.distributed.backend == "fsdp1" and half and recipe.adapter.type != "none"
+
+
 def add_adapter(model: nn.Module, recipe: Recipe, low_cpu_mem_usage: bool = False) -> nn.Module:
     """peft's own LoRA/DoRA; `low_cpu_mem_usage` builds the adapter on the meta device too."""
     if recipe.adapter.type == "none":
@@ -123,7 +131,12 @@ def add_adapter(model: nn.Module, recipe: Recipe, low_cpu_mem_usage: bool = Fals
     if quantize.quantized(recipe) and not quantize.shards_weights(recipe) and not low_cpu_mem_usage:
         model = quantize.prepare_for_training(model)
     try:
-        return get_peft_model(model, _peft_config(recipe), low_cpu_mem_usage=low_cpu_mem_usage)
+        return get_peft_model(
+            model,
+            _peft_config(recipe),
+            low_cpu_mem_usage=low_cpu_mem_usage,
+            autocast_adapter_dtype=not adapter_in_model_dtype(recipe),
+        )
     except ValueError as err:
         raise UserError(f"adapter: {err}; check adapter.target_modules") from None
 

@@ -21,7 +21,7 @@ from typing import Any
 from torch import nn
 
 from liger_cli.errors import UserError
-from liger_cli.model import build_meta_model_for
+from liger_cli.model import adapter_in_model_dtype, build_meta_model_for
 from liger_cli.plan.backends import BACKENDS, BackendFacts
 from liger_cli.plan.wrap.resolve import resolve_wrap_classes
 from liger_cli.recipe import Recipe
@@ -136,6 +136,11 @@ def build_plan(recipe: Recipe, model: nn.Module | None = None, env: Mapping[str,
         resolution = resolve_wrap_classes(model, dist.fsdp.wrap_classes, env)
         wrap_classes, wrap_source = tuple(resolution.classes), resolution.source
         notes += [f"[{w.code}] {w.message}" for w in resolution.warnings]
+    if adapter_in_model_dtype(recipe):
+        notes.append(
+            f"adapter weights in {m.dtype}, the model's dtype: FSDP-1 flattens each unit into one dtype "
+            "(float32 adapter weights: model.dtype float32 with training.precision bf16, or backend fsdp2)"
+        )
     if device == "cpu" and any(kernels.values()):
         notes.append("on a CPU the kernels run their PyTorch paths (Triton needs a GPU)")
     return Plan(
