@@ -18,14 +18,15 @@ cd "$(dirname "$0")/.."
 VENV=${LIGER_COMPAT_VENV:-.venv-newest}
 OUT=$VENV/compat
 PY=$VENV/bin/python
-# Single-process tests that exercise transformers, peft and accelerate (about 3 minutes on 2 cores; no
-# multi-process backends, no benchmarks); the sweep runs through scripts/kernel_coverage.py below.
+# Tests that exercise transformers, peft and accelerate (about 6 minutes on 2 cores; no benchmarks):
+# single-process, but for test_qlora.py's 2-process backends (a 4-bit base leans on all three; its
+# ZeRO cases skip here unless DeepSpeed is installed). The sweep runs through scripts/kernel_coverage.py.
 FAST_TESTS=(
   tests/test_compat.py tests/test_patch.py tests/test_kernel_check.py tests/test_kernels_torch.py
   tests/test_flce_numerics.py tests/test_wrap.py tests/test_inspect.py tests/test_plan.py tests/test_cli.py
   tests/test_user_errors.py tests/test_recipe.py tests/test_data.py tests/test_data_command.py
   tests/test_chat_templates.py tests/test_train.py tests/test_saved_is_trained.py tests/test_preference_loss.py
-  tests/test_logprob_kernel.py
+  tests/test_logprob_kernel.py tests/test_qlora.py
 )
 
 [ -x "$PY" ] || "${PYTHON:-python3}" -m venv "$VENV"
