@@ -5,6 +5,7 @@ plain runs."""
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 from pathlib import Path
@@ -194,6 +195,47 @@ def test_kernel_check_twin_is_quantized(model64: Path, tmp_path: Path) -> None:
     kernels = recipe.kernels.requested()
     check = check_kernels(config, kernels, add_adapter=twin_adapter(recipe))
     assert check.not_run is None and not check.switched_off, check.lines()
+
+
+def _mapped_ranges(path: Path) -> list[tuple[int, int]]:
+    """The address ranges where this process maps `path` (Linux's /proc/self/maps)."""
+    found = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5] == str(path):
+            low, high = fields[0].split("-")
+            found.append((int(low, 16), int(high, 16)))
+    return found
+
+
+def _in_ranges(model, ranges: list[tuple[int, int]]) -> list[torch.Tensor]:
+    return [
+        t for t in [*model.parameters(), *model.buffers()] if any(a <= t.data_ptr() < b for a, b in ranges)
+    ]
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="reads Linux's /proc/self/maps")
+def test_no_tensor_keeps_the_checkpoint_mapped(model64: Path, tmp_path: Path) -> None:
+    """from_pretrained maps the checkpoint and keeps what it does not quantize (embeddings, norms, lm_head)
+    as views into that map, which keeps every full-precision page the quantizer read resident (on the
+    1B shape, most of a step's peak: bench/README.md). liger's load copies them out: none of its
+    tensors lies in the map, and the map itself is gone."""
+    from transformers import AutoModelForCausalLM
+
+    from liger_cli.model import load_base_model
+    from liger_cli.model.quantize import quantization_config
+
+    checkpoint = (model64 / "model.safetensors").resolve()
+    plain = AutoModelForCausalLM.from_pretrained(
+        model64, quantization_config=quantization_config("nf4", True, torch.float32)
+    )
+    assert _in_ranges(plain, _mapped_ranges(checkpoint))  # what liger's load must not leave
+    del plain
+    gc.collect()
+    model = load_base_model(recipe_for(model64, tmp_path, quantize="nf4"))
+    assert not _in_ranges(model, _mapped_ranges(checkpoint))
+    gc.collect()
+    assert _mapped_ranges(checkpoint) == []
 
 
 # --- a real run, its final check, merge -----------------------------------------------------------------
