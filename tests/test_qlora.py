@@ -318,29 +318,30 @@ def test_ddp_two_processes_train_the_one_process_qlora(tmp_path: Path) -> None:
     assert len(want) >= 2 and got == pytest.approx(want, abs=1e-5, rel=0)
 
 
-@pytest.mark.parametrize("double", [True, False])
-def test_memory_plan_counts_4bit_bytes(double: bool) -> None:
-    """--dry-run's parameters: the 4-bit base as bitsandbytes stores it (the loaded model's state dict)
-    plus the adapter, within 1%."""
+@pytest.mark.parametrize(("double", "dtype"), [(True, "float32"), (False, "float32"), (True, "bfloat16")])
+def test_memory_plan_counts_4bit_bytes(double: bool, dtype: str) -> None:
+    """--dry-run's parameters: the model as the run builds it (4-bit base as bitsandbytes stores it,
+    what stays unquantized, the adapter), counted from its state dict, within 1%. With a bf16
+    model.dtype the k-bit preparation casts what stays unquantized (the embeddings, lm_head, norms)
+    to fp32, and the plan counts it so."""
     import json
 
     from test_train import REPO
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from liger_cli.model import add_adapter, load_base_model
 
     recipe = REPO / "recipes" / "qlora.yaml"
-    proc = liger(
-        "train", str(recipe), "--dry-run", "--json", "--set", f"model.quantize_double={str(double).lower()}"
-    )
+    overrides = [f"model.quantize_double={str(double).lower()}", f"model.dtype={dtype}"]
+    proc = liger("train", str(recipe), "--dry-run", "--json", *(x for o in overrides for x in ("--set", o)))
     assert proc.returncode == 0, proc.stderr[-2000:]
     planned = json.loads(proc.stdout)["memory"]["components"]["parameters"]
-    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=double,
-                                bnb_4bit_compute_dtype=torch.float32)  # fmt: skip
-    model = AutoModelForCausalLM.from_pretrained(
-        REPO / "recipes" / "quickstart" / "model", quantization_config=config
-    )
-    stored = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    adapter = 74_752 * 4  # r 16 on every linear layer, fp32 (the run's log: 74,752 trainable)
-    assert planned == pytest.approx(stored + adapter, rel=0.01)
+    loaded = load_recipe(recipe, overrides)
+    model = add_adapter(load_base_model(loaded), loaded)
+    tensors = {t.data_ptr(): t for t in model.state_dict().values()}  # a tied weight once
+    stored = sum(t.numel() * t.element_size() for t in tensors.values())
+    embedding = model.get_input_embeddings().weight
+    assert embedding.dtype == torch.float32  # also under bf16: peft's k-bit preparation upcasts it
+    assert planned == pytest.approx(stored, rel=0.01)
 
 
 def test_without_bitsandbytes_is_a_user_error(monkeypatch, tiny_model_dir: Path, tmp_path: Path) -> None:

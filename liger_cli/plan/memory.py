@@ -298,12 +298,17 @@ def measure_facts(recipe: Recipe, plan: Plan, model: nn.Module) -> Facts:
 
     params = {id(p): p for p in model.parameters()}  # a tied weight once
     four_bit = _four_bit_bytes(recipe, model)
+    # QLoRA's k-bit preparation (peft's) casts every fp16/bf16 parameter it does not quantize to fp32
+    upcast = recipe.model.quantize != "none"
+    half = (torch.float16, torch.bfloat16)
 
     def nbytes(p) -> int:
-        return four_bit.get(id(p), p.numel() * p.element_size())
+        if id(p) in four_bit:
+            return four_bit[id(p)]
+        return p.numel() * (4 if upcast and p.dtype in half else p.element_size())
 
     param_bytes = sum(nbytes(p) for p in params.values())
-    trainable = sum(p.numel() * p.element_size() for p in params.values() if p.requires_grad)
+    trainable = sum(nbytes(p) for p in params.values() if p.requires_grad)
     classes = plan.wrap_classes
     if classes is None:
         classes = tuple(resolve_wrap_classes(model, None, env={}).classes)
@@ -341,7 +346,7 @@ def _four_bit_bytes(recipe: Recipe, model: nn.Module) -> dict[int, int]:
     """QLoRA: what each base linear weight takes in 4 bits (id -> bytes), as bitsandbytes stores it:
     two weights a byte, one absmax per 64-weight block (a uint8 with double quantization, plus one
     float32 per 256 blocks and its 256-value code; float32 without), and the 16-value code. lm_head and
-    the adapter's own layers stay as they are (tested against a loaded model's state dict)."""
+    the adapter's own layers are not quantized (tested against a loaded model's state dict)."""
     if recipe.model.quantize == "none":
         return {}
     double = recipe.model.quantize_double
