@@ -87,9 +87,9 @@ def own_unquantized_tensors(model: nn.Module) -> int:
     `from_pretrained` memory-maps the checkpoint and keeps a tensor it does not convert as a view into
     that map. One such view (the tied embedding, typically) keeps the whole file mapped, and every page
     the quantizer read (each linear weight, in full precision) then stays in the process's resident
-    memory, and a step's peak with it: measured on the Llama-3.2-1B shape with an fp32 checkpoint, 3.7
-    GiB of the 4.6 GiB file, which made QLoRA's step peak higher than LoRA's (bench/README.md). Once
-    the last view is gone the map is closed (tested: tests/test_qlora.py)."""
+    memory, and a step's peak with it: on the Llama-3.2-1B shape with an fp32 checkpoint, 3.6 GiB of
+    the 4.6 GiB file, which made QLoRA's step peak 1.07x LoRA's instead of 0.55x (bench/README.md).
+    Once the last view is gone the map is closed (tested: tests/test_qlora.py)."""
     copies: dict[tuple, torch.Tensor] = {}  # one copy of the same data held by two tensors
     copied = 0
     for tensor in [*model.parameters(), *model.buffers()]:  # a tied weight once
