@@ -104,7 +104,8 @@ def own_unquantized_tensors(model: nn.Module) -> int:
 
 
 def prepare_for_training(model: nn.Module) -> nn.Module:
-    """peft's usual k-bit preparation (every base weight frozen, half-precision norms upcast to fp32);
+    """peft's usual k-bit preparation (every base weight frozen, every fp16/bf16 parameter left
+    unquantized, embeddings and lm_head included, upcast to fp32: the memory plan counts them so);
     activation checkpointing stays with the Plan (`enable_activation_checkpointing`)."""
     from peft import prepare_model_for_kbit_training
 
