@@ -2,7 +2,7 @@
 training step (weights included), and the memory plan's estimate against it. Ratios come from one run.
 
     .venv/bin/python bench/qlora_vs_lora.py                                   # 8 x 512 model, about 2 min
-    .venv/bin/python bench/qlora_vs_lora.py --config recipes/bench/llama-3.2-1b.json --steps 1 --warmup 1
+    .venv/bin/python bench/qlora_vs_lora.py --config recipes/bench/llama-3.2-1b.json --steps 2 --warmup 1
 
 Both variants train `recipes/bench/train.jsonl` (full 1024-token rows; `--seq-len`, `--batch`) through
 `liger train` in fresh processes, run by `liger bench`'s worker; step time is the mean over the steps
