@@ -91,6 +91,7 @@ def load_base_model(recipe: Recipe) -> nn.Module:
         if m.quantize != "none":
             quantize.keep_exact_backward(model)
             quantize.resume_checks_statistics(model)
+            quantize.own_unquantized_tensors(model)  # else the checkpoint's map stays resident
     else:
         torch.manual_seed(recipe.training.seed)
         model = AutoModelForCausalLM.from_config(read_config(m.config, m.trust_remote_code), **kwargs)
@@ -119,7 +120,7 @@ def adapter_in_model_dtype(recipe: Recipe) -> bool:
     dtype"), and peft keeps adapter weights in float32 under a half-precision base: under FSDP-1 the
     adapter takes the model's dtype instead (the Plan says so)."""
     half = model_dtype(recipe) in (torch.bfloat16, torch.float16)
-    return recipe.distributed.backend == "fsdp1" and half and recipe.adapter.type != "none"
+    return recipe.distributed.flattens_units and half and recipe.adapter.type != "none"
 
 
 def add_adapter(model: nn.Module, recipe: Recipe, low_cpu_mem_usage: bool = False) -> nn.Module:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from torch import nn
 
 from liger_cli.errors import UserError
+from liger_cli.model.quantize import shards_weights
 from liger_cli.plan.activations import Activations, measure_activations
 from liger_cli.plan.backends import BACKENDS
 from liger_cli.plan.decide import Plan
@@ -308,12 +309,18 @@ def measure_facts(recipe: Recipe, plan: Plan, model: nn.Module) -> Facts:
 
     params = {id(p): p for p in model.parameters()}  # a tied weight once
     four_bit = four_bit_bytes(recipe, model)
+    # QLoRA's k-bit preparation (peft's) casts every fp16/bf16 parameter it does not quantize to fp32;
+    # where the backend shards the 4-bit weights there is no preparation (quantize.shards_weights)
+    upcast = recipe.model.quantize != "none" and not shards_weights(recipe)
+    half = (torch.float16, torch.bfloat16)
 
     def nbytes(p) -> int:
-        return sum(four_bit[id(p)]) if id(p) in four_bit else p.numel() * p.element_size()
+        if id(p) in four_bit:
+            return sum(four_bit[id(p)])
+        return p.numel() * (4 if upcast and p.dtype in half else p.element_size())
 
     param_bytes = sum(nbytes(p) for p in params.values())
-    trainable = sum(p.numel() * p.element_size() for p in params.values() if p.requires_grad)
+    trainable = sum(nbytes(p) for p in params.values() if p.requires_grad)
     classes = plan.wrap_classes
     if classes is None:
         classes = tuple(resolve_wrap_classes(model, None, env={}).classes)
@@ -352,7 +359,7 @@ def four_bit_bytes(recipe: Recipe, model: nn.Module) -> dict[int, tuple[int, int
     """QLoRA: what each base linear weight takes in 4 bits (id -> (packed bytes, statistics bytes)), as
     bitsandbytes stores it: two weights a byte (in any storage dtype), one absmax per 64-weight block (a
     uint8 with double quantization, plus one float32 per 256 blocks and its 256-value code; float32
-    without), and the 16-value code. lm_head and the adapter's own layers stay as they are (tested
+    without), and the 16-value code. lm_head and the adapter's own layers are not quantized (tested
     against a loaded model's state dict). The packed bytes shard; the statistics stay whole."""
     if recipe.model.quantize == "none":
         return {}

@@ -224,6 +224,16 @@ class DistributedSection(_Section):
         """YAML reads an unquoted `off` (in a recipe or a --set) as false: it means "off"."""
         return "off" if value is False else value
 
+    @property
+    def shards_weights(self) -> bool:
+        """The backend shards every weight, frozen ones included: FSDP-1, FSDP-2 and ZeRO-3."""
+        return self.backend in ("fsdp1", "fsdp2") or (self.backend == "deepspeed" and self.zero_stage == 3)
+
+    @property
+    def flattens_units(self) -> bool:
+        """The backend flattens each unit into one tensor, so one dtype per unit: FSDP-1."""
+        return self.backend == "fsdp1"
+
     @model_validator(mode="after")
     def _consistent(self) -> DistributedSection:
         if self.backend == "none" and (self.num_processes > 1 or self.num_machines > 1):
