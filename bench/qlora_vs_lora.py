@@ -16,8 +16,10 @@ after the warm-up. Memory, on a CPU, in MiB:
 - process peak: the process's lifetime peak RSS (loading included) over the worker's RSS after its
   imports, for comparison; loading a 4-bit base reads the full-precision checkpoint first.
 
-The model is built once from the config (seed 0, fp32) and saved, so both load the same weights; LoRA
-r=16 on all linear layers, kernels on, compute in fp32 (`model.dtype`). Weight bytes are counted on
+The model is built once from the config (seed 0, fp32) and saved, so every variant loads the same
+weights; LoRA r=16 on all linear layers, kernels on. Variants: LoRA and QLoRA computing in fp32
+(`model.dtype`), and QLoRA computing in bf16 (`model.dtype: bfloat16`, as QLoRA usually runs; peft's
+k-bit preparation keeps what stays unquantized in fp32), each against fp32 LoRA. Weight bytes are counted on
 the loaded model: the base's parameters and buffers as stored (4-bit packed weights, their scales,
 everything left unquantized), against the same model at 2 bytes a parameter (bf16). Results go to
 bench/results/qlora_vs_lora.json.
@@ -34,7 +36,9 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-VARIANTS = {"lora": "none", "qlora": "nf4"}
+# name -> (model.quantize, model.dtype): fp32 LoRA, QLoRA computing in fp32 (the same numbers as LoRA
+# but for the quantization), and QLoRA computing in bf16, as QLoRA is usually run
+VARIANTS = {"lora": ("none", "float32"), "qlora": ("nf4", "float32"), "qlora-bf16": ("nf4", "bfloat16")}
 GOAL_PEAK = 0.5  # QLoRA's step peak at most this much of fp32 LoRA's
 GOAL_WEIGHTS = 0.28  # QLoRA's base at about this much of its bf16 bytes
 
@@ -50,11 +54,11 @@ def build_model(config: Path, out: Path) -> Path:
     return out
 
 
-def write_recipe(path: Path, model_dir: Path, quantize: str, args) -> Path:
+def write_recipe(path: Path, model_dir: Path, quantize: str, dtype: str, args) -> Path:
     import yaml
 
     recipe = {
-        "model": {"path": str(model_dir), "dtype": "float32", "quantize": quantize},
+        "model": {"path": str(model_dir), "dtype": dtype, "quantize": quantize},
         "adapter": {"type": "lora", "r": 16, "alpha": 32, "target_modules": "all-linear"},
         "data": {"train": str(REPO / "recipes" / "bench" / "train.jsonl"), "format": "text",
                  "max_seq_len": args.seq_len, "cache": False},
@@ -78,7 +82,11 @@ def weight_bytes(recipe_path: Path) -> dict:
         "tensors = {t.data_ptr(): t for t in m.state_dict().values()}\n"  # a tied weight once
         "stored = sum(t.numel() * t.element_size() for t in tensors.values())\n"
         "params = m.num_parameters()\n"  # 4-bit layers report their real parameter count
-        "print(json.dumps({'stored_bytes': stored, 'parameters': params}))\n"
+        "four = [x for x in m.modules() if getattr(x, 'quant_state', None) is not None]\n"
+        "linear = sum(t.numel() * t.element_size() for x in four for t in x.state_dict().values())\n"
+        "linear_bf16 = sum(2 * x.quant_state.shape.numel() for x in four)\n"
+        "print(json.dumps({'stored_bytes': stored, 'parameters': params, 'linear_4bit_bytes': linear,\n"
+        "                  'linear_bf16_bytes': linear_bf16}))\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code, str(recipe_path)], capture_output=True, text=True, check=True
@@ -129,15 +137,16 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="liger-qlora-bench-") as tmp:
         root = Path(tmp)
         model_dir = build_model(args.config, root / "model")
-        for name, quantize in VARIANTS.items():
+        for name, (quantize, dtype) in VARIANTS.items():
             folder = root / name
             folder.mkdir()
-            recipe = write_recipe(folder / "recipe.yaml", model_dir, quantize, args)
+            recipe = write_recipe(folder / "recipe.yaml", model_dir, quantize, dtype, args)
             results[name] = {**weight_bytes(recipe), **measure(recipe, folder, args),
                              "estimate_mb": estimate_bytes(recipe) / 2**20}  # fmt: skip
     results["load_after"] = os.getloadavg()[0]
-    lora, qlora = results["lora"], results["qlora"]
-    for r in (lora, qlora):
+    lora, qlora, bf16 = results["lora"], results["qlora"], results["qlora-bf16"]
+    for name in VARIANTS:
+        r = results[name]
         r["estimate_vs_step_peak"] = r["estimate_mb"] / r["step_peak_mb"]
     ratios = {
         "weights": qlora["stored_bytes"] / lora["stored_bytes"],
@@ -146,25 +155,33 @@ def main(argv: list[str] | None = None) -> int:
         "step_peak": qlora["step_peak_mb"] / lora["step_peak_mb"],
         "estimate": qlora["estimate_mb"] / lora["estimate_mb"],
         "process_peak": qlora["process_peak_mb"] / lora["process_peak_mb"],
+        "linear_4bit_vs_bf16": qlora["linear_4bit_bytes"] / qlora["linear_bf16_bytes"],
+        "bf16_step_time": bf16["step_time_s"] / lora["step_time_s"],
+        "bf16_step_peak": bf16["step_peak_mb"] / lora["step_peak_mb"],
+        "bf16_estimate": bf16["estimate_mb"] / lora["estimate_mb"],
     }
     results["qlora_over_lora"] = ratios
     print(
-        f"model {args.config.name}, {args.batch} x {args.seq_len} tokens, fp32 compute, LoRA r=16 all-linear; "
+        f"model {args.config.name}, {args.batch} x {args.seq_len} tokens, LoRA r=16 all-linear; "
         "MiB; step peak: RSS high-water during a step over the RSS before the model was built"
     )
-    print(f"{'':8} {'weights':>8} {'vs bf16':>8} {'step s':>7} {'step peak':>10} {'plan':>7} "
+    print(f"{'':10} {'weights':>8} {'vs bf16':>8} {'step s':>7} {'step peak':>10} {'plan':>7} "
           f"{'plan/peak':>9} {'process peak':>12} {'loss 1':>8}")  # fmt: skip
     for name in VARIANTS:
         r = results[name]
-        print(f"{name:8} {r['stored_bytes'] / 2**20:8.0f} {r['stored_bytes'] / r['bf16_bytes']:7.2f}x "
+        print(f"{name:10} {r['stored_bytes'] / 2**20:8.0f} {r['stored_bytes'] / r['bf16_bytes']:7.2f}x "
               f"{r['step_time_s']:7.2f} {r['step_peak_mb']:10.0f} {r['estimate_mb']:7.0f} "
               f"{r['estimate_vs_step_peak']:8.2f}x {r['process_peak_mb']:12.0f} {r['first_step_loss']:8.4f}")  # fmt: skip
     met = {True: "met", False: "NOT met"}
     print(f"qlora / lora: weights {ratios['weights']:.2f}x, step time {ratios['step_time']:.2f}x, "
           f"step peak {ratios['step_peak']:.2f}x (goal <= {GOAL_PEAK}x: {met[ratios['step_peak'] <= GOAL_PEAK]}; "
           f"plan {ratios['estimate']:.2f}x), process peak {ratios['process_peak']:.2f}x")  # fmt: skip
-    print(f"qlora base vs its bf16 bytes: {ratios['qlora_weights_vs_bf16']:.2f}x "
-          f"(goal about {GOAL_WEIGHTS}x: {met[ratios['qlora_weights_vs_bf16'] <= GOAL_WEIGHTS + 0.02]}); "
+    print(f"qlora-bf16 / lora (fp32): step time {ratios['bf16_step_time']:.2f}x, step peak "
+          f"{ratios['bf16_step_peak']:.2f}x (goal <= {GOAL_PEAK}x: {met[ratios['bf16_step_peak'] <= GOAL_PEAK]}; "
+          f"plan {ratios['bf16_estimate']:.2f}x)")  # fmt: skip
+    print(f"qlora's 4-bit linear layers vs their bf16 bytes: {ratios['linear_4bit_vs_bf16']:.2f}x "
+          f"(goal about {GOAL_WEIGHTS}x: {met[ratios['linear_4bit_vs_bf16'] <= GOAL_WEIGHTS + 0.02]}); "
+          f"the whole base (embeddings unquantized) vs bf16: {ratios['qlora_weights_vs_bf16']:.2f}x; "
           f"load average {results['load_before']:.1f} -> {results['load_after']:.1f}")  # fmt: skip
     out = REPO / "bench" / "results" / "qlora_vs_lora.json"
     out.parent.mkdir(parents=True, exist_ok=True)
