@@ -205,7 +205,13 @@ def _check_statistics(module, state_dict, prefix, local_metadata, strict, missin
     for key in [k for k in state_dict if k.startswith(f"{prefix}weight.")]:
         saved, mine = state_dict.pop(key), expected.get(key)
         same = mine is not None and saved.shape == mine.shape and saved.dtype == mine.dtype
-        if not (
-            same and torch.equal(saved.reshape(-1).view(torch.uint8), mine.reshape(-1).view(torch.uint8))
-        ):
+        if not (same and same_bits(saved, mine)):
             errors.append(f"{key}: the checkpoint's 4-bit statistics are not the loaded base's")
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit: 4-bit weights packed in a float dtype (under FSDP and ZeRO-3) hold bytes
+    that read as NaN, which `torch.equal` never finds equal."""
+    return torch.equal(
+        a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8)
+    )

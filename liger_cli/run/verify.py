@@ -22,6 +22,7 @@ from torch import nn
 
 from liger_cli import process_state
 from liger_cli.errors import RunFailed
+from liger_cli.model import quantize
 
 if TYPE_CHECKING:
     from liger_cli.run.train import Trainer
@@ -79,17 +80,13 @@ def differing_tensors(trained: dict[str, torch.Tensor], loaded: dict[str, torch.
     differ = []
     for name, tensor in trained.items():
         found = loaded.get(name)
-        if found is None or found.shape != tensor.shape or not same_bits(tensor.to(found.dtype), found):
+        if (
+            found is None
+            or found.shape != tensor.shape
+            or not quantize.same_bits(tensor.to(found.dtype), found)
+        ):
             differ.append(name if found is not None else f"{name} (missing)")
     return differ
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal bit for bit: 4-bit weights packed in a float dtype (under FSDP and ZeRO-3) hold bytes
-    that read as NaN, which `torch.equal` never finds equal."""
-    return torch.equal(
-        a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8)
-    )
 
 
 def verify_final(
