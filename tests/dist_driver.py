@@ -97,11 +97,13 @@ def main() -> None:
         saved = {name: os.environ.get(name) for name in case.get("env", {})}
         os.environ.update(case.get("env", {}))
         recipe = load_recipe(case["recipe"])
-        if case.get("uint8_storage"):
-            from liger_cli.model import quantize
+        from liger_cli.model import quantize
 
+        shards_weights = quantize.shards_weights
+        if case.get("uint8_storage"):
             quantize.shards_weights = lambda recipe: False
         train.run(recipe, build_plan(recipe))
+        quantize.shards_weights = shards_weights
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)

@@ -325,10 +325,9 @@ def test_two_processes_train_the_one_process_qlora(
 ) -> None:
     """QLoRA with 2 processes on gloo under every backend: per-step losses, eval losses and the saved
     adapter equal a 1-process run with the same global batch, and a resume from its checkpoint gives
-    the same last steps; where the backend shards weights the
-    4-bit weights are held once over the ranks (the sharding check counts them, and the 64-wide model's
-    36,864 packed bytes split evenly under FSDP-2 and ZeRO-3); the final check reloads onto the 4-bit
-    base."""
+    the same last steps. Where the backend shards weights, the 4-bit weights are held once over the
+    ranks (the sharding check counts them; the 64-wide model's 36,864 packed bytes split evenly under
+    FSDP-2 and ZeRO-3). The final check reloads onto the 4-bit base."""
     if backend == "deepspeed":
         pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (scripts/setup.sh installs it)")
     from test_distributed import assert_same_run, losses, run_driver, write_recipe

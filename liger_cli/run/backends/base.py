@@ -99,10 +99,10 @@ class Backend:
     def check_four_bit(self, model: nn.Module, shards: int) -> str:
         """QLoRA under a sharding backend: the 4-bit weights' packed bytes held by this rank, summed over
         the ranks, must be the model's 4-bit bytes x world/shards (each byte held by one rank of a
-        shard group, give or take ZeRO-3's padding), not x world (replicated on every rank: the downgrade users meet, e.g. uint8
-        storage under accelerate's FSDP). The sum, not each rank's share, is checked: FSDP-1 cuts
-        its flat units where they fall, so one rank may hold more of the 4-bit bytes than another.
-        Collective: every rank calls it."""
+        shard group, give or take ZeRO-3's padding), not x world: replicated on every rank, the
+        downgrade users meet (uint8 storage under accelerate's FSDP-2). The sum, not each rank's
+        share, is checked: FSDP-1 cuts its flat units where they fall, so one rank may hold more of
+        the 4-bit bytes than another. Collective: every rank calls it."""
         from liger_cli.model import quantize
 
         layers = quantize.four_bit_layers(model)
