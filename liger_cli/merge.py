@@ -137,5 +137,5 @@ def adapter_on_4bit_logits(adapter_dir: Path, base: str, quantized: str, probe) 
     config = q.quantization_config(quantized, settings.get("quantize_double", True), dtype)
     kwargs = {k: settings[k] for k in ("trust_remote_code", "attn_implementation") if settings.get(k)}
     model = AutoModelForCausalLM.from_pretrained(base, quantization_config=config, dtype=dtype, **kwargs)
-    q.keep_exact_backward(model)
+    q.after_loading(model)
     return verify.logits_of(PeftModel.from_pretrained(model, adapter_dir), probe)

@@ -89,9 +89,7 @@ def load_base_model(recipe: Recipe) -> nn.Module:
     if m.path is not None:
         model = AutoModelForCausalLM.from_pretrained(m.path, **kwargs, **m.load_kwargs)
         if m.quantize != "none":
-            quantize.keep_exact_backward(model)
-            quantize.resume_checks_statistics(model)
-            quantize.own_unquantized_tensors(model)  # else the checkpoint's map stays resident
+            quantize.after_loading(model)
     else:
         torch.manual_seed(recipe.training.seed)
         model = AutoModelForCausalLM.from_config(read_config(m.config, m.trust_remote_code), **kwargs)

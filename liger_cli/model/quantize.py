@@ -81,17 +81,18 @@ def quantization_config(quantize: str, double: bool, dtype: torch.dtype, storage
     )
 
 
-def keep_exact_backward(model: nn.Module) -> int:
-    """Switch off bitsandbytes' CPU inference repacking on every 4-bit layer (see the module's doc);
-    returns how many 4-bit layers the model has."""
-    import bitsandbytes as bnb
+def after_loading(model: nn.Module) -> None:
+    """What every 4-bit model loaded through `from_pretrained` needs before it is used: the run's base,
+    the final check's reload and `liger merge`'s adapter on the 4-bit base."""
+    keep_exact_backward(model)
+    resume_checks_statistics(model)
+    own_unquantized_tensors(model)  # else the checkpoint's map stays resident
 
-    count = 0
-    for module in model.modules():
-        if isinstance(module, bnb.nn.Linear4bit):
-            module.support_avx512bf16_for_cpu = False
-            count += 1
-    return count
+
+def keep_exact_backward(model: nn.Module) -> None:
+    """Switch off bitsandbytes' CPU inference repacking on every 4-bit layer (see the module's doc)."""
+    for layer in four_bit_layers(model):
+        layer.support_avx512bf16_for_cpu = False
 
 
 def own_unquantized_tensors(model: nn.Module) -> int:

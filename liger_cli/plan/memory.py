@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from torch import nn
 
 from liger_cli.errors import UserError
-from liger_cli.model.quantize import shards_weights
+from liger_cli.model.quantize import BLOCKSIZE, shards_weights
 from liger_cli.plan.activations import Activations, measure_activations
 from liger_cli.plan.backends import BACKENDS
 from liger_cli.plan.decide import Plan
@@ -369,7 +369,7 @@ def four_bit_bytes(recipe: Recipe, model: nn.Module) -> dict[int, tuple[int, int
         if type(module) is not nn.Linear or "lora_" in name or name.rsplit(".", 1)[-1] == "lm_head":
             continue
         n = module.weight.numel()
-        blocks = -(-n // 64)
+        blocks = -(-n // BLOCKSIZE)
         scales = blocks + 4 * -(-blocks // 256) + 256 * 4 if double else 4 * blocks  # + the nested code
         found[id(module.weight)] = (n // 2, scales + 16 * 4)  # + the 16-value code (quant_map)
     return found
