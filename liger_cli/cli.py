@@ -213,6 +213,80 @@ def bench(
 
     raise typer.Exit(run_bench(recipe, set_ or [], steps=steps, warmup=warmup, out_dir=out))
 
+SamplingOptions = dict(
+    max_new_tokens=typer.Option(256, help="Most tokens generated per completion."),
+    temperature=typer.Option(0.0, help="Sampling temperature; 0 is greedy."),
+    top_p=typer.Option(1.0, help="Sample from the smallest set of tokens holding this much probability."),
+    top_k=typer.Option(0, help="Sample from the K most likely tokens (0: all)."),
+    seed=typer.Option(0, help="Same seed, same completions (on 1 process or N)."),
+)
+RunOrModel = Annotated[
+    Path,
+    typer.Argument(help="A run folder (its final/ or checkpoints/step-N), a model folder, or a base model with --adapter."),
+]
+AdapterOption = Annotated[Path | None, typer.Option(help="A peft adapter folder to put on the model.")]
+FormatOption = Annotated[
+    str | None,
+    typer.Option("--format", help="How to render prompts: text, instruction, chat (default: the run's data format)."),
+]
+KernelsOption = Annotated[bool, typer.Option(help="Patch our RMSNorm, RoPE and SwiGLU kernels in.")]
+
+
+def _sampling(max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int):
+    from liger_cli.generate.engine import Sampling
+
+    try:
+        return Sampling(max_new_tokens, temperature, top_p, top_k, seed)
+    except ValueError as err:
+        raise UserError(f"--{str(err).replace('_', '-')}") from None
+
+
+@app.command("generate")
+@_user_errors
+def generate_(
+    run_or_model: RunOrModel,
+    prompts: Annotated[Path, typer.Option(help='A JSONL file of {"prompt": ...} or {"messages": [...]} rows.')],
+    out: Annotated[Path, typer.Option(help="Where to write the completions (JSONL).")],
+    adapter: AdapterOption = None,
+    max_new_tokens: int = SamplingOptions["max_new_tokens"],
+    temperature: float = SamplingOptions["temperature"],
+    top_p: float = SamplingOptions["top_p"],
+    top_k: int = SamplingOptions["top_k"],
+    seed: int = SamplingOptions["seed"],
+    num_return_sequences: Annotated[int, typer.Option(help="Completions per prompt.")] = 1,
+    batch_size: Annotated[int, typer.Option(help="Sequences generated together.")] = 8,
+    logprobs: Annotated[bool, typer.Option(help="Add each token's log-probability to the output.")] = False,
+    format_: FormatOption = None,
+    kernels: KernelsOption = False,
+) -> None:
+    """Complete a file of prompts with a trained model, rendered exactly as the run trained it."""
+    from liger_cli.serve.generate import Options, generate_command
+
+    sampling = _sampling(max_new_tokens, temperature, top_p, top_k, seed)
+    options = Options(sampling, num_return_sequences, batch_size, logprobs, kernels, format_)
+    raise typer.Exit(generate_command(run_or_model, prompts, out, adapter, options, echo=typer.echo))
+
+
+@app.command()
+@_user_errors
+def chat(
+    run_or_model: RunOrModel,
+    adapter: AdapterOption = None,
+    max_new_tokens: int = SamplingOptions["max_new_tokens"],
+    temperature: float = SamplingOptions["temperature"],
+    top_p: float = SamplingOptions["top_p"],
+    top_k: int = SamplingOptions["top_k"],
+    seed: int = SamplingOptions["seed"],
+    system: Annotated[str | None, typer.Option(help="A system message to start with.")] = None,
+    format_: FormatOption = None,
+    kernels: KernelsOption = False,
+) -> None:
+    """Chat with a trained model in the terminal; replies stream as they are generated."""
+    from liger_cli.serve.chat import chat_command
+
+    sampling = _sampling(max_new_tokens, temperature, top_p, top_k, seed)
+    raise typer.Exit(chat_command(run_or_model, adapter, sampling, kernels, format_, system))
+
 
 def main() -> None:
     app(prog_name="liger")

@@ -178,3 +178,33 @@ def quiet_libraries() -> None:
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     # peft still calls transformers' deprecated `is_gradient_checkpointing`: not the user's concern.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+
+
+def fsdp2_reshard_after_forward(unit) -> tuple:
+    """What an FSDP-2 unit does after its forward, to restore after generation changed it (torch's
+    `set_reshard_after_forward` has no getter; the root is special-cased at lazy init)."""
+    state = unit._get_fsdp_state()
+    return state._auto_reshard_after_forward, [g.post_forward_mesh_info for g in state._fsdp_param_groups]
+
+
+def restore_fsdp2_reshard_after_forward(unit, saved: tuple) -> None:
+    state = unit._get_fsdp_state()
+    state._auto_reshard_after_forward = saved[0]
+    for group, info in zip(state._fsdp_param_groups, saved[1], strict=True):
+        group.post_forward_mesh_info = info
+
+
+@contextlib.contextmanager
+def zero3_hooks_lifted(engine):
+    """A ZeRO-3 engine's per-module forward/backward hooks removed (they would release gathered
+    parameters after each module), then registered again as DeepSpeed registers them."""
+    offload = engine.optimizer.parameter_offload
+    for param in offload.module.parameters():
+        param.ds_active_sub_modules.clear()
+    for hook in [*offload.forward_hooks, *offload.backward_hooks]:
+        hook.remove()
+    offload.forward_hooks, offload.backward_hooks = [], []
+    try:
+        yield
+    finally:
+        offload._register_deepspeed_module(offload.module)

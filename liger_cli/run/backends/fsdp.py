@@ -6,6 +6,7 @@ here; the wrap classes are the Plan's (resolved once, on the meta model), never 
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 from torch import nn
@@ -116,6 +117,27 @@ class Fsdp1(_Fsdp):
             raise DowngradeError(f"the recipe asks for FSDP-1 but {name} is not an FSDP unit")
         return sizes
 
+    @contextlib.contextmanager
+    def generation(self, model: nn.Module):
+        """Every unit's parameters gathered once (`summon_full_params`, no write-back) and each FSDP
+        wrapper's forward bypassed for the call, so decoding steps run the plain modules on whole
+        parameters: no all-gather per layer per token (see docs/generation.md#under-sharding)."""
+        if not self.active:
+            with super().generation(model) as found:
+                yield found
+            return
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        wrappers = [m for m in model.modules() if isinstance(m, FSDP)]
+        with FSDP.summon_full_params(model, writeback=False, recurse=True):
+            for wrapper in wrappers:
+                wrapper.forward = wrapper.module.__call__  # an instance attribute: shadows FSDP.forward
+            try:
+                yield self.accelerator.unwrap_model(model), self.any_running
+            finally:
+                for wrapper in wrappers:
+                    del wrapper.forward
+
     def full_state_dict(self, model: nn.Module) -> dict:
         """accelerate's FSDP-1 path offloads to the CPU while gathering, which crashes when the
         parameters already live on the CPU (see docs/fsdp-facts.md#saving-and-resuming): there we
@@ -156,6 +178,28 @@ class Fsdp2(_Fsdp):
                 f"the recipe asks for FSDP-2 but {name} is not a fully_shard unit of DTensors"
             )
         return sum(p.to_local().numel() for p in params), sum(p.numel() for p in params)
+
+    @contextlib.contextmanager
+    def generation(self, model: nn.Module):
+        """Every fully_shard unit unsharded once and kept whole through the call's forwards (no reshard
+        after forward), then resharded: no all-gather per layer per token."""
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        if not (self.active and units):
+            with super().generation(model) as found:
+                yield found
+            return
+        after_forward = [process_state.fsdp2_reshard_after_forward(unit) for unit in units]
+        for unit in units:
+            unit.unshard()
+            unit.set_reshard_after_forward(False, recurse=False)
+        try:
+            yield model, self.any_running
+        finally:
+            for unit, before in zip(units, after_forward, strict=True):
+                process_state.restore_fsdp2_reshard_after_forward(unit, before)
+                unit.reshard()
 
     def gather_for_fused_loss(self, model: nn.Module) -> str | None:
         """accelerate's FSDP-2 path gathers lm_head's unit in the final norm's forward, but does not

@@ -102,6 +102,22 @@ class DeepSpeed(Backend):
         return "lm_head.weight registered with ZeRO-3 as a parameter of the causal-LM forward"
 
     @contextlib.contextmanager
+    def generation(self, model: nn.Module):
+        """ZeRO-3: every parameter gathered once for the call and the engine's per-module fetch and
+        release hooks lifted meanwhile, so decoding steps run on whole parameters (no gather per layer
+        per token); the hooks are registered again after. ZeRO-2 shards no parameter."""
+        if not (self.active and self.recipe.distributed.zero_stage == 3):
+            with super().generation(model) as found:
+                yield found
+            return
+        import deepspeed
+
+        engine = self.accelerator.deepspeed_engine_wrapped.engine
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
+            with process_state.zero3_hooks_lifted(engine):
+                yield engine.module, self.any_running
+
+    @contextlib.contextmanager
     def micro_batch(self, model: nn.Module, last: bool):
         """We set the engine's accumulation boundary explicitly and stop it from dividing the loss by
         the accumulation count again (`scale_wrt_gas=False`); accelerate's own backward would step the

@@ -1,0 +1,269 @@
+"""What `RUN_OR_MODEL` names, and that model loaded exactly as its run loaded it.
+
+| given | what is loaded |
+|---|---|
+| a run folder (it holds `recipe.yaml`) | its `final/`, else its newest complete checkpoint |
+| `RUN/final` | the run's final adapter on its base, or its full model |
+| `RUN/checkpoints/step-N` | the run's model with the checkpoint's weights |
+| a model folder (`config.json`), e.g. `liger merge`'s output | that model; with `--adapter PATH`, the adapter on it |
+| an adapter folder (`adapter_config.json`) | the adapter on the base it names |
+
+A run's base is loaded by the model stage's own `load_base_model` from the run's resolved
+`recipe.yaml`: the same dtype, 4-bit quantization, attention implementation, loading arguments and
+`trust_remote_code` (only where the recipe said so), in one process. Everything is checked before
+any weight is read.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import yaml
+
+from liger_cli.errors import UserError
+from liger_cli.generate.prompts import FORMATS
+from liger_cli.recipe import Recipe
+
+RECIPE_FILE = "recipe.yaml"
+CHECKPOINT_STATE = "trainer_state.json"  # written last into a complete checkpoint (run/checkpoint.py)
+GENERATION_KERNELS = ("rms_norm", "rope", "swiglu")  # the loss kernels have nothing to do here
+
+
+@dataclass(frozen=True)
+class Target:
+    """What RUN_OR_MODEL names, found without loading anything."""
+
+    kind: str
+    """final (a run's), checkpoint (a run's), model (a full model folder), adapter (on `base`)."""
+    weights: Path
+    base: Path | None
+    """The base model folder an adapter goes on (`adapter` kind)."""
+    recipe: Recipe | None
+    """The run's resolved recipe, for runs."""
+    format: str
+    """How prompts are rendered: the run's data format, else `--format`, else chat if the tokenizer
+    has a chat template and text if not (decided once the tokenizer is loaded: `chat_or_text`)."""
+
+    @property
+    def describe(self) -> str:
+        return f"{self.kind} {self.weights}" + (f" on {self.base}" if self.base else "")
+
+
+def find_target(path: Path, adapter: Path | None = None, fmt: str | None = None) -> Target:
+    """Resolve RUN_OR_MODEL (and --adapter); a one-line UserError when it names nothing loadable."""
+    path = Path(path).expanduser().resolve()
+    if fmt is not None and fmt not in FORMATS:
+        raise UserError(f"--format {fmt}: choose one of {', '.join(FORMATS)}")
+    if not path.exists():
+        raise UserError(f"{path}: no such run or model folder")
+    if adapter is not None:
+        adapter = Path(adapter).expanduser().resolve()
+        if not (adapter / "adapter_config.json").is_file():
+            raise UserError(f"--adapter {adapter}: no adapter_config.json there; give a peft adapter folder")
+        if not (path / "config.json").is_file():
+            raise UserError(f"{path}: --adapter goes on a base model folder (with config.json)")
+        return Target("adapter", adapter, path, None, fmt or "auto")
+    run = _run_of(path)
+    if run is not None:
+        recipe = _run_recipe(run)
+        weights = _run_weights(run, path)
+        kind = "checkpoint" if (weights / CHECKPOINT_STATE).is_file() else "final"
+        return Target(kind, weights, None, recipe, fmt or run_format(recipe))
+    if (path / "adapter_config.json").is_file():
+        return Target("adapter", path, _adapter_base(path), None, fmt or "auto")
+    if (path / "config.json").is_file():
+        return Target("model", path, None, None, fmt or "auto")
+    raise UserError(
+        f"{path} is not a run folder (no {RECIPE_FILE}), a model folder (no config.json) or an adapter "
+        "folder (no adapter_config.json): give a liger run's output.dir, a model, or --adapter"
+    )
+
+
+def run_format(recipe: Recipe) -> str:
+    return "preference" if recipe.training.objective in ("dpo", "simpo", "orpo") else recipe.data.format
+
+
+def chat_or_text(target: Target, tokenizer) -> str:
+    if target.format != "auto":
+        return target.format
+    return "chat" if getattr(tokenizer, "chat_template", None) else "text"
+
+
+def load_tokenizer_for(target: Target):
+    from transformers import AutoTokenizer
+
+    if target.kind == "checkpoint":
+        from liger_cli.data.tokenizer import load_tokenizer
+
+        return load_tokenizer(target.recipe)
+    source = target.weights if (target.weights / "tokenizer_config.json").is_file() else target.base
+    trust = bool(target.recipe and target.recipe.model.trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust)
+    except (OSError, ValueError) as err:
+        raise UserError(f"cannot load a tokenizer from {source}: {str(err).splitlines()[0]}") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(target: Target, kernels: bool = False, device: torch.device | None = None):
+    """The model as its run built it (no activation checkpointing: nothing is trained), in eval mode."""
+    from liger_cli import process_state
+
+    process_state.quiet_libraries()
+    recipe = target.recipe
+    if recipe is not None:
+        model = _load_run_model(target, _one_process(recipe))
+    else:
+        model = _load_plain(target)
+    if kernels:
+        from liger_cli.model import patch_kernels
+
+        chosen = {name: name in GENERATION_KERNELS for name in ("rms_norm", "rope", "swiglu", "cross_entropy",
+                                                                "fused_linear_cross_entropy")}  # fmt: skip
+        patch_kernels(model, SimpleNamespace(kernels=chosen, activation_checkpointing="off"))
+    if device is not None and not _quantized(model):
+        model.to(device)
+    return model.eval()
+
+
+# --- finding things ----------------------------------------------------------------------------------------
+
+
+def _run_of(path: Path) -> Path | None:
+    """The run folder `path` is, or lies in (final/, checkpoints/step-N)."""
+    for candidate in (path, path.parent, path.parent.parent):
+        if (candidate / RECIPE_FILE).is_file() and (candidate / "plan.txt").is_file():
+            return candidate
+    return None
+
+
+def _run_recipe(run: Path) -> Recipe:
+    from pydantic import ValidationError
+
+    try:
+        data = yaml.safe_load((run / RECIPE_FILE).read_text())
+        recipe = Recipe.model_validate(data, context={"base_dir": run})
+    except (yaml.YAMLError, ValidationError) as err:
+        raise UserError(f"{run / RECIPE_FILE} is not a liger run's recipe: {str(err).splitlines()[0]}") from None
+    base = recipe.model.path
+    if base is not None and not (base / "config.json").is_file():
+        raise UserError(f"the run's base model folder is gone: {base} (model.path in {run / RECIPE_FILE})")
+    return recipe
+
+
+def _run_weights(run: Path, path: Path) -> Path:
+    if path != run:
+        if not _complete(path):
+            raise UserError(
+                f"{path} holds no saved model (no adapter, model or {CHECKPOINT_STATE}): give the run folder, "
+                "its final/ or a complete checkpoints/step-N"
+            )
+        return path
+    if _complete(run / "final"):
+        return run / "final"
+    steps = sorted(
+        (p for p in (run / "checkpoints").glob("step-*") if (p / CHECKPOINT_STATE).is_file()),
+        key=lambda p: int(p.name.split("-")[1]),
+    )
+    if not steps:
+        raise UserError(
+            f"{run} has no final model and no complete checkpoint (the run stopped before saving): resume it "
+            "with liger train (output.resume: auto), or give another run"
+        )
+    return steps[-1]
+
+
+def _complete(folder: Path) -> bool:
+    return any((folder / name).is_file() for name in ("adapter_config.json", "config.json", CHECKPOINT_STATE))
+
+
+def _adapter_base(adapter: Path) -> Path:
+    try:
+        base = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise UserError(f"{adapter / 'adapter_config.json'} is not a peft adapter config: {err}") from None
+    if not base or not (Path(base) / "config.json").is_file():
+        raise UserError(
+            f"the adapter's base model {base!r} is not a local model folder: give it as RUN_OR_MODEL with "
+            f"--adapter {adapter}"
+        )
+    return Path(base)
+
+
+# --- loading -----------------------------------------------------------------------------------------------
+
+
+def _one_process(recipe: Recipe) -> Recipe:
+    """The recipe as one process loads it (4-bit weights in uint8 storage, peft's usual preparation)."""
+    from liger_cli.recipe.schema import DistributedSection
+
+    return recipe.model_copy(update={"distributed": DistributedSection()})
+
+
+def _load_run_model(target: Target, recipe: Recipe):
+    from liger_cli.model import add_adapter, load_base_model, model_dtype
+
+    weights = target.weights
+    if (weights / "config.json").is_file():  # a full fine-tune's final model
+        from transformers import AutoModelForCausalLM
+
+        m = recipe.model
+        kwargs = {"attn_implementation": m.attn_implementation} if m.attn_implementation else {}
+        return AutoModelForCausalLM.from_pretrained(
+            weights, dtype=model_dtype(recipe), trust_remote_code=m.trust_remote_code, **kwargs
+        )
+    base = load_base_model(recipe)
+    if (weights / "adapter_config.json").is_file():
+        from peft import PeftModel
+
+        return PeftModel.from_pretrained(base, weights)
+    model = add_adapter(base, recipe)
+    _load_checkpoint_weights(model, weights, adapter=recipe.adapter.type != "none")
+    return model
+
+
+def _load_checkpoint_weights(model, checkpoint: Path, adapter: bool) -> None:
+    """A checkpoint's `model.safetensors` (single process and DDP write it): with an adapter exactly
+    the trainable weights, without one every weight (a tied one once)."""
+    weights = checkpoint / "model.safetensors"
+    if not weights.is_file():
+        raise UserError(
+            f"{checkpoint} was written by a sharding backend (FSDP or DeepSpeed keep their own formats): "
+            "generate from the run's final/ instead, or from a checkpoint of a single-process or DDP run"
+        )
+    from safetensors.torch import load_file
+
+    state = load_file(weights)
+    result = model.load_state_dict(state, strict=False)
+    expected = {n for n, p in model.named_parameters() if p.requires_grad} if adapter else set()
+    missing = expected - set(state)
+    if result.unexpected_keys or missing or (not adapter and len(state) < len(model.state_dict()) // 2):
+        raise UserError(
+            f"{weights} does not fit the run's model ({len(result.unexpected_keys)} unexpected, {len(missing)} "
+            "missing weights): it was written by another recipe"
+        )
+
+
+def _load_plain(target: Target):
+    from transformers import AutoModelForCausalLM
+
+    model_dir = target.base if target.kind == "adapter" else target.weights
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")
+    except (OSError, ValueError) as err:
+        raise UserError(f"cannot load a causal LM from {model_dir}: {str(err).splitlines()[0]}") from None
+    if target.kind == "adapter":
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, target.weights)
+    return model
+
+
+def _quantized(model) -> bool:
+    return getattr(model, "is_loaded_in_4bit", False) or bool(getattr(model, "quantization_method", None))

@@ -1,0 +1,172 @@
+"""`liger generate`: completions of a JSONL file of prompts, written as JSONL in input order.
+
+Each input row gives `--num-return-sequences` output rows: the input row's fields unchanged, plus
+`completion` (the text, without the stop token), `completion_ids` (the stop token included),
+`finish_reason` (`stop` / `length`), `sample_index` when there are several, and with `--logprobs`
+`logprobs` (each token under the distribution it was sampled from).
+
+Under `accelerate launch` the batches are dealt to the processes in turn; every completion depends only
+on its prompt, the seed and its place in the file (`engine.py`), so N processes write what one does.
+Rank 0 gathers the rows and writes the file, under a temporary name renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from liger_cli.errors import UserError
+from liger_cli.generate.engine import Completion, Sampling, generate
+from liger_cli.generate.load import chat_or_text, find_target, load_model, load_tokenizer_for
+from liger_cli.generate.prompts import PromptError, Renderer, max_length, read_prompts
+
+
+@dataclass(frozen=True)
+class Options:
+    sampling: Sampling
+    num_return_sequences: int = 1
+    batch_size: int = 8
+    logprobs: bool = False
+    kernels: bool = False
+    format: str | None = None
+
+
+def check_options(options: Options) -> None:
+    if options.num_return_sequences < 1 or options.batch_size < 1:
+        raise UserError("--num-return-sequences and --batch-size must be at least 1")
+    if options.num_return_sequences > 1 and options.sampling.greedy:
+        raise UserError(
+            f"--num-return-sequences {options.num_return_sequences} with --temperature 0 (greedy) gives "
+            "identical completions: set --temperature above 0"
+        )
+
+
+def generate_command(
+    run_or_model: Path, prompts: Path, out: Path, adapter: Path | None, options: Options, echo=print
+) -> int:
+    check_options(options)
+    _check_out(out, prompts)
+    target = find_target(run_or_model, adapter, options.format)
+    rows = read_prompts(prompts)
+    tokenizer = load_tokenizer_for(target)
+    renderer = Renderer(tokenizer, chat_or_text(target, tokenizer))
+    prompt_ids = render_all(renderer, rows, prompts)
+    rank, world, device = _processes()
+    model = load_model(target, options.kernels, device)
+    check_lengths(prompt_ids, options.sampling.max_new_tokens, model.config, prompts)
+    stops = renderer.stop_ids(getattr(model, "generation_config", None))
+
+    n = options.num_return_sequences
+    sequences = [(i, r) for i in range(len(rows)) for r in range(n)]
+    batches = [sequences[k : k + options.batch_size] for k in range(0, len(sequences), options.batch_size)]
+    mine = batches[rank::world]
+    done: dict[tuple[int, int], Completion] = {}
+    progress = _progress(sum(len(b) for b in mine), rank)
+    tokens, start = 0, time.perf_counter()
+    for batch in mine:
+        found = generate(
+            model, [prompt_ids[i] for i, _ in batch], options.sampling, stop_ids=stops,
+            pad_id=tokenizer.pad_token_id, keys=[i * n + r for i, r in batch], device=device,
+        )  # fmt: skip
+        done.update(zip(batch, found, strict=True))
+        tokens += sum(len(c.ids) for c in found)
+        progress.update(len(batch))
+        progress.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):.1f} tokens/s")
+    progress.close()
+    done = _gathered(done, world)
+    if rank == 0:
+        _write(out, [output_row(rows[i], done[(i, r)], tokenizer, r if n > 1 else None, options.logprobs)
+                     for i, r in sequences])  # fmt: skip
+        elapsed = time.perf_counter() - start
+        total = sum(len(c.ids) for c in done.values())
+        echo(f"wrote {len(sequences)} completions to {out} ({total} tokens, {total / max(elapsed, 1e-9):.1f} tokens/s"
+             f"{f' over {world} processes' if world > 1 else ''}; model: {target.describe}, format {renderer.format})")  # fmt: skip
+    return 0
+
+
+def render_all(renderer: Renderer, rows: list[dict], source: Path) -> list[list[int]]:
+    ids = []
+    for line, row in enumerate(rows, 1):
+        try:
+            ids.append(renderer.ids(row))
+        except (PromptError, ValueError) as err:
+            raise UserError(f"{source} row {line}: {err}") from None
+    return ids
+
+
+def check_lengths(prompt_ids: list[list[int]], max_new_tokens: int, config, source) -> None:
+    limit = max_length(config)
+    if limit is None:
+        return
+    for line, ids in enumerate(prompt_ids, 1):
+        if len(ids) + max_new_tokens > limit:
+            raise UserError(
+                f"{source} row {line}: its {len(ids)} prompt tokens + --max-new-tokens {max_new_tokens} exceed "
+                f"the model's maximum length {limit}: lower --max-new-tokens or shorten the prompt"
+            )
+
+
+def output_row(row: dict, completion: Completion, tokenizer, sample: int | None, logprobs: bool) -> dict:
+    text_ids = completion.ids[:-1] if completion.finish_reason == "stop" else completion.ids
+    out = {**row, "completion": tokenizer.decode(text_ids, skip_special_tokens=True),
+           "completion_ids": completion.ids, "finish_reason": completion.finish_reason}  # fmt: skip
+    if sample is not None:
+        out["sample_index"] = sample
+    if logprobs:
+        out["logprobs"] = [round(v, 6) for v in completion.logprobs]
+    return out
+
+
+def _check_out(out: Path, prompts: Path) -> None:
+    if out.is_dir():
+        raise UserError(f"--out {out} is a folder: give a file path, e.g. {out / 'completions.jsonl'}")
+    if out.resolve() == prompts.resolve():
+        raise UserError(f"--out {out} is the prompts file: choose another file")
+    if not out.parent.is_dir():
+        raise UserError(f"--out {out}: its folder {out.parent} does not exist")
+
+
+def _processes():
+    """(rank, world, device): one process, or those `accelerate launch` started."""
+    import torch
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    from accelerate import PartialState
+
+    state = PartialState()
+    return state.process_index, state.num_processes, state.device
+
+
+def _gathered(done: dict, world: int) -> dict:
+    if world == 1:
+        return done
+    import torch.distributed as dist
+
+    parts: list = [None] * world
+    dist.all_gather_object(parts, done)
+    return {key: value for part in parts for key, value in part.items()}
+
+
+def _progress(total: int, rank: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="seq", desc="generating", disable=rank != 0 or not sys.stderr.isatty())
+
+
+def _write(out: Path, rows: list[dict]) -> None:
+    """Whole or not at all: a temporary file beside OUT, renamed into place."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
