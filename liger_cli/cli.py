@@ -213,6 +213,7 @@ def bench(
 
     raise typer.Exit(run_bench(recipe, set_ or [], steps=steps, warmup=warmup, out_dir=out))
 
+
 SamplingOptions = dict(
     max_new_tokens=typer.Option(256, help="Most tokens generated per completion."),
     temperature=typer.Option(0.0, help="Sampling temperature; 0 is greedy."),
@@ -222,12 +223,16 @@ SamplingOptions = dict(
 )
 RunOrModel = Annotated[
     Path,
-    typer.Argument(help="A run folder (its final/ or checkpoints/step-N), a model folder, or a base model with --adapter."),
+    typer.Argument(
+        help="A run folder (its final/ or checkpoints/step-N), a model folder, or a base model with --adapter."
+    ),
 ]
 AdapterOption = Annotated[Path | None, typer.Option(help="A peft adapter folder to put on the model.")]
 FormatOption = Annotated[
     str | None,
-    typer.Option("--format", help="How to render prompts: text, instruction, chat (default: the run's data format)."),
+    typer.Option(
+        "--format", help="How to render prompts: text, instruction, chat (default: the run's data format)."
+    ),
 ]
 KernelsOption = Annotated[bool, typer.Option(help="Patch our RMSNorm, RoPE and SwiGLU kernels in.")]
 
@@ -245,7 +250,9 @@ def _sampling(max_new_tokens: int, temperature: float, top_p: float, top_k: int,
 @_user_errors
 def generate_(
     run_or_model: RunOrModel,
-    prompts: Annotated[Path, typer.Option(help='A JSONL file of {"prompt": ...} or {"messages": [...]} rows.')],
+    prompts: Annotated[
+        Path, typer.Option(help='A JSONL file of {"prompt": ...} or {"messages": [...]} rows.')
+    ],
     out: Annotated[Path, typer.Option(help="Where to write the completions (JSONL).")],
     adapter: AdapterOption = None,
     max_new_tokens: int = SamplingOptions["max_new_tokens"],

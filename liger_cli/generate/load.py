@@ -150,7 +150,9 @@ def _run_recipe(run: Path) -> Recipe:
         data = yaml.safe_load((run / RECIPE_FILE).read_text())
         recipe = Recipe.model_validate(data, context={"base_dir": run})
     except (yaml.YAMLError, ValidationError) as err:
-        raise UserError(f"{run / RECIPE_FILE} is not a liger run's recipe: {str(err).splitlines()[0]}") from None
+        raise UserError(
+            f"{run / RECIPE_FILE} is not a liger run's recipe: {str(err).splitlines()[0]}"
+        ) from None
     base = recipe.model.path
     if base is not None and not (base / "config.json").is_file():
         raise UserError(f"the run's base model folder is gone: {base} (model.path in {run / RECIPE_FILE})")

@@ -97,7 +97,7 @@ def turn_end_ids(tokenizer) -> list[int]:
 def read_prompts(path: Path) -> list[dict]:
     """The JSONL rows of a prompts file, each checked to be an object with a prompt."""
     if not path.is_file():
-        raise UserError(f"--prompts {path}: no such file; give a .jsonl file of {{\"prompt\": ...}} rows")
+        raise UserError(f'--prompts {path}: no such file; give a .jsonl file of {{"prompt": ...}} rows')
     rows = []
     for line_number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
@@ -105,7 +105,9 @@ def read_prompts(path: Path) -> list[dict]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as err:
-            raise UserError(f"{path} line {line_number}: not JSON ({err.msg}); write one JSON object per line") from None
+            raise UserError(
+                f"{path} line {line_number}: not JSON ({err.msg}); write one JSON object per line"
+            ) from None
         if not isinstance(row, dict) or not ({"prompt", "messages", "instruction"} & set(row)):
             raise UserError(
                 f'{path} line {line_number}: a row needs "prompt" (text or messages) or "messages"; '
@@ -113,7 +115,7 @@ def read_prompts(path: Path) -> list[dict]:
             )
         rows.append(row)
     if not rows:
-        raise UserError(f"{path} holds no prompts: write one JSON object per line, e.g. {{\"prompt\": \"Hi\"}}")
+        raise UserError(f'{path} holds no prompts: write one JSON object per line, e.g. {{"prompt": "Hi"}}')
     return rows
 
 
