@@ -48,3 +48,24 @@ def test_python_m_liger_cli_runs_from_anywhere(tmp_path: Path) -> None:
         timeout=60,
     )
     assert proc.returncode == 0 and "Usage: liger" in proc.stdout
+
+
+def test_a_wheel_holds_every_package(tmp_path: Path) -> None:
+    """A regular (not editable) install: setuptools' explicit package list includes no subpackage by
+    itself, so a folder missing from it would install a liger that cannot import its stages."""
+    import tomllib
+    import zipfile
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "liger_cli").rglob("__init__.py")}
+    assert folders | {"liger_kernels"} == listed
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(REPO)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    (wheel,) = tmp_path.glob("*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    for package in listed:
+        init = package.replace(".", "/") + "/__init__.py"
+        assert init in names, f"{init} is not in the wheel"
