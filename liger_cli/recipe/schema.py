@@ -128,6 +128,8 @@ class TrainingSection(_Section):
     max_grad_norm: float | None = Field(1.0, ge=0)
     seed: int = 42
     eval_every: int | None = Field(None, ge=1)
+    eval_samples: int = Field(0, ge=0)
+    """At each evaluation, greedy completions of the first N eval prompts, written to samples.jsonl."""
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     objective: Literal["sft", "dpo", "simpo", "orpo"] = "sft"
     """sft: the causal-LM loss on the learned tokens; dpo, simpo, orpo: preference pairs (data.format preference)."""
@@ -307,6 +309,8 @@ class Recipe(_Section):
         if objective != "sft":
             self.preference.check(objective)
         self._quantized_needs()
+        if self.training.eval_samples:
+            self._samples_need()
         d = self.distributed
         if d.backend == "fsdp1" and d.fsdp.sharding == "no_shard" and self.adapter.type != "none":
             raise ValueError(
@@ -320,6 +324,18 @@ class Recipe(_Section):
                 "set training.max_steps and remove training.epochs"
             )
         return self
+
+    def _samples_need(self) -> None:
+        """Samples complete eval prompts: an eval set whose rows have a prompt before the answer."""
+        if self.data.eval is None and self.data.eval_fraction is None:
+            raise ValueError(
+                "training.eval_samples completes eval prompts: set data.eval or data.eval_fraction"
+            )
+        if self.data.format == "text":
+            raise ValueError(
+                "training.eval_samples needs prompts, and format text rows have none (everything is learned): "
+                "use data.format instruction or chat, or remove training.eval_samples"
+            )
 
     def _quantized_needs(self) -> None:
         """A 4-bit base trains only through an adapter, and only where its weights can be placed."""

@@ -39,6 +39,7 @@ from liger_cli.run.inputs import Data, load_data
 from liger_cli.run.metrics import MemoryWatch, MetricsLog, peak_memory_mb
 from liger_cli.run.output_dir import OutputDecision, claim_output
 from liger_cli.run.reference import precompute_for
+from liger_cli.run.samples import Samples
 
 FINAL_METRICS = "final_metrics.json"
 
@@ -218,11 +219,14 @@ def fit(trainer: Trainer) -> dict[str, float]:
     objective = trainer.objective
     step = trainer.step
     last: dict[str, float] = {}
+    samples = Samples.of_run(recipe, data.eval, data.tokenizer, model) if t.eval_samples else None
 
     def run_eval(at: int, echo) -> None:
         found = evaluate(model, data.eval, accelerator, objective, t.micro_batch_size, pad_id)
         last.update(found)
         metrics_log.write(at, found, echo)
+        if samples is not None:
+            samples.write(backend, model, at, echo)
 
     if data.eval is not None and step == 0:  # the baseline that later eval losses are compared with
         run_eval(0, say)

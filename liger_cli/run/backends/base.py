@@ -145,6 +145,23 @@ class Backend:
         with contextlib.nullcontext() if last else self.accelerator.no_sync(model):
             yield lambda loss: self.accelerator.backward(loss * world)
 
+    # --- generation ---------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def generation(self, model: nn.Module):
+        """For one call of the generation engine: the module to generate with, its parameters whole for
+        the whole call (gathered once, never per token), and `any_running(local) -> bool`, which keeps
+        every rank stepping until all are done. Collective under sharding: every rank enters it."""
+        yield self.accelerator.unwrap_model(model), self.any_running
+
+    def any_running(self, local: bool) -> bool:
+        """Whether any rank is still generating (a max over ranks; the local flag with one process)."""
+        if self.accelerator.num_processes == 1:
+            return local
+        flag = torch.tensor([int(local)], device=self.accelerator.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
+
     # --- state --------------------------------------------------------------------------------------
 
     def full_state_dict(self, model: nn.Module) -> dict:
