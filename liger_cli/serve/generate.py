@@ -139,7 +139,7 @@ def _processes():
         return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
     from accelerate import PartialState
 
-    state = PartialState()
+    state = PartialState(cpu=not torch.cuda.is_available())  # gloo on a CPU
     return state.process_index, state.num_processes, state.device
 
 
