@@ -38,7 +38,9 @@ TEXTS = ["one two three", "seven", "a b c d e f g h i j", "forty-two and"]
 def test_greedy_equals_transformers_generate(tiny):
     model, tok = tiny
     prompts = prompts_of(tok, TEXTS)
-    got = generate(model, prompts, Sampling(12, temperature=0), stop_ids=[tok.eos_token_id], pad_id=tok.pad_token_id)
+    got = generate(
+        model, prompts, Sampling(12, temperature=0), stop_ids=[tok.eos_token_id], pad_id=tok.pad_token_id
+    )
     tok.padding_side = "left"
     batch = tok.pad({"input_ids": prompts}, return_tensors="pt")
     ref = model.generate(**batch, max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id,
@@ -86,7 +88,9 @@ def test_sampling_depends_on_seed_and_key_only(tiny):
     assert alone[0].ids == whole[2].ids  # the batch around it changes nothing
     again = generate(model, prompts, sampling, stop_ids=[], pad_id=tok.pad_token_id)
     assert [c.ids for c in again] == [c.ids for c in whole]
-    other = generate(model, prompts, Sampling(8, temperature=1.0, seed=12), stop_ids=[], pad_id=tok.pad_token_id)
+    other = generate(
+        model, prompts, Sampling(8, temperature=1.0, seed=12), stop_ids=[], pad_id=tok.pad_token_id
+    )
     assert [c.ids for c in other] != [c.ids for c in whole]
 
 

@@ -70,10 +70,14 @@ def test_generate_writes_each_row_with_its_completion(run: Path, prompts: Path, 
         ids, reason = row["completion_ids"], row["finish_reason"]
         assert len(row["logprobs"]) == len(ids) <= 12 and all(lp <= 0 for lp in row["logprobs"])
         assert reason == ("stop" if ids[-1] == tok.eos_token_id else "length")
-        assert row["completion"] == tok.decode(ids[:-1] if reason == "stop" else ids, skip_special_tokens=True)
+        assert row["completion"] == tok.decode(
+            ids[:-1] if reason == "stop" else ids, skip_special_tokens=True
+        )
 
 
-def test_every_way_of_naming_the_model_gives_the_same_completions(run: Path, prompts: Path, tmp_path: Path) -> None:
+def test_every_way_of_naming_the_model_gives_the_same_completions(
+    run: Path, prompts: Path, tmp_path: Path
+) -> None:
     """The run folder, final/, the last checkpoint (the same weights), the base with --adapter, the merged
     model: the same greedy completions. An earlier checkpoint is another model."""
     base = json.loads((run / "final" / "adapter_config.json").read_text())["base_model_name_or_path"]
@@ -90,7 +94,9 @@ def test_every_way_of_naming_the_model_gives_the_same_completions(run: Path, pro
     found = {}
     for name, args in names.items():
         out = tmp_path / f"{name}.jsonl"
-        proc = liger("generate", *args, "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "10")
+        proc = liger(
+            "generate", *args, "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "10"
+        )
         assert proc.returncode == 0, (name, proc.stderr[-3000:])
         found[name] = [r["completion_ids"] for r in generated(out)]
     assert found["final"] == found["run"] == found["step-4"] == found["adapter"] == found["merged"]
@@ -145,10 +151,24 @@ def test_user_mistakes_are_one_line_and_write_nothing(run: Path, prompts: Path, 
         "bad.jsonl line 2: not JSON": [str(run), "--prompts", str(bad_json)],
         'none.jsonl line 1: a row needs "prompt"': [str(run), "--prompts", str(no_prompt)],
         "chat.jsonl row 1: a messages prompt, but the run trained on format instruction": [
-            str(run), "--prompts", str(chat_row)],  # fmt: skip
-        "exceed the model's maximum length 256": [str(run), "--prompts", str(prompts), "--max-new-tokens", "250"],
-        "identical completions: set --temperature": [str(run), "--prompts", str(prompts),
-                                                     "--num-return-sequences", "2"],  # fmt: skip
+            str(run),
+            "--prompts",
+            str(chat_row),
+        ],  # fmt: skip
+        "exceed the model's maximum length 256": [
+            str(run),
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "250",
+        ],
+        "identical completions: set --temperature": [
+            str(run),
+            "--prompts",
+            str(prompts),
+            "--num-return-sequences",
+            "2",
+        ],  # fmt: skip
         "--top-p 1.5: must be in (0, 1]": [str(run), "--prompts", str(prompts), "--top-p", "1.5"],
         "no such run or model folder": [str(tmp_path / "nowhere"), "--prompts", str(prompts)],
     }
@@ -168,7 +188,9 @@ class Terminal:
 
     def __init__(self, argv: list[str]):
         self.fd, child = pty.openpty()
-        self.proc = subprocess.Popen(argv, stdin=child, stdout=child, stderr=child, env=child_env(), close_fds=True)
+        self.proc = subprocess.Popen(
+            argv, stdin=child, stdout=child, stderr=child, env=child_env(), close_fds=True
+        )
         os.close(child)
         self.seen = ""
 
@@ -199,7 +221,9 @@ def reply(terminal: Terminal) -> str:
 def generate_one(run: Path, row: dict, tmp_path: Path, *args: str) -> str:
     path, out = tmp_path / "one.jsonl", tmp_path / "one-out.jsonl"
     path.write_text(json.dumps(row) + "\n")
-    proc = liger("generate", str(run), "--prompts", str(path), "--out", str(out), "--max-new-tokens", "10", *args)
+    proc = liger(
+        "generate", str(run), "--prompts", str(path), "--out", str(out), "--max-new-tokens", "10", *args
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return generated(out)[0]["completion"]
 
@@ -219,7 +243,9 @@ def test_chat_streams_the_reply_generate_gives(run: Path, tmp_path: Path) -> Non
     term.type("/exit")
     assert term.proc.wait(timeout=30) == 0
 
-    term = Terminal([sys.executable, "-m", "liger_cli", "chat", str(run), "--max-new-tokens", "10", "--format", "chat"])
+    term = Terminal(
+        [sys.executable, "-m", "liger_cli", "chat", str(run), "--max-new-tokens", "10", "--format", "chat"]
+    )
     assert "format chat)" in term.read_until("you> ")
     term.type("hello there")
     first = reply(term)

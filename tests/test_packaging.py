@@ -53,8 +53,9 @@ def test_python_m_liger_cli_runs_from_anywhere(tmp_path: Path) -> None:
 def test_a_wheel_holds_every_package(tmp_path: Path) -> None:
     """A regular (not editable) install: setuptools' explicit package list includes no subpackage by
     itself, so a folder missing from it would install a liger that cannot import its stages."""
-    import tomllib
     import zipfile
+
+    import tomllib
 
     listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     folders = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "liger_cli").rglob("__init__.py")}
