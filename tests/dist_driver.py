@@ -4,7 +4,7 @@ Started once per backend by torchrun (or plainly, for the 1-process references):
 launch costs 10-20 s of imports, so the cases of a backend share it. Usage:
     python -m torch.distributed.run --nproc_per_node 2 tests/dist_driver.py SPEC.json
 SPEC: {"cases": [{"recipe": PATH, "env": {NAME: VALUE}, "uint8_storage": bool}], "field_failure_1":
-RECIPE_PATH or null, "zero3_load": RECIPE_PATH or null}. `uint8_storage` loads a QLoRA base the way
+RECIPE_PATH or null, "zero3_load": RECIPE_PATH or null, "generation": RECIPE_PATH or null}. `uint8_storage` loads a QLoRA base the way
 other launchers do under a sharding backend (uint8 storage: the 4-bit weights stay whole on every rank).
 Each case trains through `liger_cli.run.train.run`, exactly as `liger train` does in each rank, and
 writes `checks.json` beside its metrics: whether embedding and lm_head are still one parameter, and
@@ -90,6 +90,70 @@ def zero3_load(recipe_path: str) -> dict:
     }
 
 
+def generation_gathers(recipe_path: str) -> dict:
+    """The recipe's model prepared by its backend, then the engine through `Backend.generation` with 2
+    and with 8 new tokens: how many all-gathers each call made (equal when parameters are gathered
+    once per call, not per token) and the completions (this rank's prompts, then every rank's)."""
+    import torch
+    import torch.distributed as dist
+
+    from liger_cli.data.tokenizer import load_tokenizer
+    from liger_cli.generate.engine import Sampling, generate
+    from liger_cli.model import build_model
+    from liger_cli.run.backends import backend_for
+
+    recipe = load_recipe(recipe_path)
+    plan = build_plan(recipe)
+    backend = backend_for(recipe, plan)
+    accelerator = backend.make_accelerator()
+    model, _ = build_model(recipe, plan)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    model, optimizer = backend.prepare(model, optimizer)
+    tokenizer = load_tokenizer(recipe)
+    texts = ["one two three", "seven", "a b c d e f g", "forty-two and", "9 8 7"]
+    prompts = [tokenizer(t)["input_ids"] for t in texts]
+    world, rank = accelerator.num_processes, accelerator.process_index
+    share = -(-len(prompts) // world)
+    mine = [i % len(prompts) for i in range(rank * share, (rank + 1) * share)]
+    calls = [0]
+    # torch's all-gathers (FSDP) and DeepSpeed's own (ZeRO-3 keeps references to torch's).
+    modules = [dist] + ([sys.modules["deepspeed.comm"]] if "deepspeed.comm" in sys.modules else [])
+    names = ("all_gather_into_tensor", "all_gather_single", "all_gather", "_all_gather_base", "allgather_fn")
+    real = {(m, n): getattr(m, n) for m in modules for n in names if hasattr(m, n)}
+
+    def counting(key):
+        def call(*args, **kwargs):
+            calls[0] += 1
+            return real[key](*args, **kwargs)
+
+        return call
+
+    result: dict = {"gathers": [], "completions": []}
+    for new_tokens in (2, 8):
+        calls[0] = 0
+        for module, name in real:
+            setattr(module, name, counting((module, name)))
+        with backend.generation(model) as (module, any_running):
+            found = generate(module, [prompts[i] for i in mine], Sampling(new_tokens, temperature=1.0, seed=5),
+                             stop_ids=[], pad_id=tokenizer.pad_token_id, keys=mine, any_running=any_running,
+                             device=accelerator.device)  # fmt: skip
+        for (module, name), function in real.items():
+            setattr(module, name, function)
+        result["gathers"].append(calls[0])
+        parts: list = [{i: c.ids for i, c in zip(mine, found, strict=True)}] * world
+        if world > 1:
+            dist.all_gather_object(parts, parts[0])
+        every = {i: ids for part in parts for i, ids in part.items()}
+        result["completions"].append([every[i] for i in range(len(prompts))])
+    # The model still trains after generating (sharding and hooks restored): one step.
+    batch = tokenizer(texts[:2], return_tensors="pt", padding=True)
+    out = model(**{k: v.to(accelerator.device) for k, v in batch.items()}, labels=batch["input_ids"])
+    accelerator.backward(out.loss)
+    optimizer.step()
+    result["loss_after"] = out.loss.item()
+    return result
+
+
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     train.save_final = _save_final_with_checks
@@ -117,6 +181,10 @@ def main() -> None:
         result = zero3_load(spec["zero3_load"])
         if os.environ.get("RANK", "0") == "0":
             Path(spec["zero3_load"]).with_suffix(".zero3.json").write_text(json.dumps(result))
+    if spec.get("generation"):
+        result = generation_gathers(spec["generation"])
+        if os.environ.get("RANK", "0") == "0":
+            Path(spec["generation"]).with_suffix(".generation.json").write_text(json.dumps(result))
     end_process_group()
     exit_now(0)  # as a `liger train` rank ends: no C++ teardown that could abort a finished rank
 

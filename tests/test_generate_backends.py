@@ -1,0 +1,91 @@
+"""Generation inside a run, on the model as each backend wraps it, with 2 real processes on gloo.
+
+For DDP, FSDP-1, FSDP-2 and ZeRO-3: a LoRA run and a full fine-tune with `training.eval_samples`
+write the samples (and losses) the 1-process run writes, so generating mid-run neither hangs nor
+changes training; the engine called through `Backend.generation` makes as many all-gathers for 8 new
+tokens as for 2 (parameters gathered once per call, not per token), samples what 1 process samples,
+and the model trains on afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_distributed import (  # noqa: F401 - `assets` is a fixture
+    STEPS,
+    assert_same_run,
+    assets,
+    losses,
+    run_driver,
+    write_recipe,
+)
+
+from liger_cli.run.samples import SAMPLES_FILE
+
+QUICK_EVAL = Path(__file__).resolve().parents[1] / "recipes" / "quickstart" / "data" / "eval.jsonl"
+BACKENDS = {  # name -> (backend, extra recipe keys)
+    "ddp": ("ddp", {}),
+    "fsdp1": ("fsdp1", {}),
+    "fsdp2": ("fsdp2", {}),
+    "zero3": ("deepspeed", {"distributed__zero_stage": 3}),
+}
+
+
+def sampled(paths: dict, out: Path, backend: str = "none", adapter: str = "lora", **over) -> Path:
+    """A run with 3 eval samples (an odd number: the second rank pads its share) at steps 0, 2, 4."""
+    return write_recipe(paths, out, backend, adapter, data__eval=str(paths["eval"]), training__eval_every=2,
+                        training__eval_samples=3, **over)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference(assets) -> dict:  # noqa: F811
+    eval_file = assets["root"] / "gen-eval.jsonl"
+    eval_file.write_text("".join(QUICK_EVAL.read_text().splitlines(keepends=True)[:6]))
+    assets["eval"] = eval_file
+    root = assets["root"] / "gen-ref"
+    root.mkdir()
+    outs = {"lora": root / "lora", "full": root / "full"}
+    recipes = [sampled(assets, outs["lora"]), sampled(assets, outs["full"], adapter="none")]
+    generation = write_recipe(assets, root / "gen", adapter="none")
+    run_driver({"cases": [{"recipe": str(r)} for r in recipes], "generation": str(generation)}, root, nproc=1)
+    return {**outs, "generation": json.loads(generation.with_suffix(".generation.json").read_text())}
+
+
+def samples(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / SAMPLES_FILE).read_text().splitlines()]
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", list(BACKENDS))
+def test_generation_under_each_backend_is_the_one_process_generation(
+    name,
+    assets,  # noqa: F811
+    reference,
+    tmp_path,
+) -> None:
+    if name == "zero3":
+        pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (scripts/setup.sh installs it)")
+    backend, over = BACKENDS[name]
+    outs = {"lora": tmp_path / "lora", "full": tmp_path / "full"}
+    cases = [
+        sampled(assets, outs["lora"], backend, **over),
+        sampled(assets, outs["full"], backend, "none", **over),
+    ]
+    generation = write_recipe(assets, tmp_path / "gen", backend, "none", **over)
+    spec = {"cases": [{"recipe": str(r)} for r in cases], "generation": str(generation)}
+    proc = run_driver(spec, tmp_path, nproc=2, timeout=360)
+    for kind, out in outs.items():
+        assert_same_run(out, reference[kind])
+        assert len(losses(out)) == STEPS
+        got, want = samples(out), samples(reference[kind])
+        assert [r["step"] for r in got] == [0, 0, 0, 2, 2, 2, 4, 4, 4]
+        assert got == want, (kind, got, want)
+    assert proc.stdout.count("sample at step") == 6  # printed once (the main process), at each evaluation
+    found = json.loads(generation.with_suffix(".generation.json").read_text())
+    assert found["completions"] == reference["generation"]["completions"]
+    two, eight = found["gathers"]
+    if name != "ddp":  # the sharded backends gather; the count does not grow with the tokens
+        assert two > 0 and eight == two, found["gathers"]
+    assert found["loss_after"] == pytest.approx(reference["generation"]["loss_after"], abs=1e-5)
