@@ -25,7 +25,7 @@ def test_agreeing_kernels_stay_on():
     assert check.switched_off == {} and check.not_run is None
     assert check.kernels == ALL_ON
     assert check.lines() == [
-        "kernel check: one step on a tiny twin, patched vs unpatched: loss and every gradient agree"
+        "kernel check: one step on a tiny twin, patched vs unpatched: loss, every gradient and greedy generation agree"
     ]
     assert 0 < check.seconds < 60
     assert "swiglu: patched 2 modules (LlamaMLP)" in check.twin_report
@@ -61,6 +61,24 @@ def test_a_kernel_that_changes_the_math_is_switched_off(monkeypatch):
     assert check.kernels == {**ALL_ON, "swiglu": False}
     assert check.lines()[0].endswith("switched off swiglu")
     assert check.lines()[1].startswith("  swiglu off: ")
+
+
+def test_a_kernel_wrong_only_when_decoding_is_switched_off(monkeypatch):
+    """An RMSNorm kernel wrong only on one-token inputs (the KV-cache decoding step: training never
+    sees them) passes the training step and is caught by the greedy generation comparison."""
+    import liger_kernels.patch_rms_norm as patch_rms_norm
+
+    real = patch_rms_norm.rms_norm
+
+    def decode_step_off(x, weight, eps, offset=0.0):
+        out = real(x, weight, eps, offset)
+        return out * 3.0 if x.shape[-2] == 1 else out
+
+    monkeypatch.setattr(patch_rms_norm, "rms_norm", decode_step_off)
+    check = check_kernels(AutoConfig.for_model("llama"), ALL_ON)
+    assert check.switched_off == {
+        "rms_norm": "greedy generation chooses other tokens than the unpatched model"
+    }
 
 
 def _fused_loss_without_router_loss(causal_lm):

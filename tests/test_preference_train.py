@@ -267,7 +267,7 @@ def test_the_kernel_check_compares_the_preference_loss_and_catches_a_wrong_fused
     good = check_kernels(config, kernels, add_adapter=_twin_adapter(), objective=objective)
     assert good.lines() == [
         "kernel check: one step on a tiny twin (the dpo loss on pairs), patched vs unpatched: "
-        "loss and every gradient agree"
+        "loss, every gradient and greedy generation agree"
     ]
     fused_module = sys.modules["liger_kernels.fused_linear_logprob"]
     real = fused_module.fused_linear_logprob

@@ -232,7 +232,7 @@ def test_the_twins_checks_run_full_fine_tuning_dpo_with_the_twin_as_its_own_refe
     kernels = check_kernels(config, {"fused_linear_cross_entropy": True}, objective=objective)
     assert kernels.lines() == [
         "kernel check: one step on a tiny twin (the dpo loss on pairs), patched vs unpatched: "
-        "loss and every gradient agree"
+        "loss, every gradient and greedy generation agree"
     ]
     _, accumulated = check_pipeline(config, {}, packing=False, grad_accum=2, objective=objective)
     assert accumulated.error is None and "dpo loss on pairs" in accumulated.line, accumulated.line

@@ -6,6 +6,10 @@ flags and multipliers, remote code included when the recipe trusts it; `liger_cl
 training step unpatched and then with each requested kernel, and the loss and every gradient are
 compared. A kernel that changes them is switched off for the run, and the Plan says which and why.
 
+The same twins then generate greedily (the engine of `liger_cli.generate`, KV cache on, left-padded
+prompts): a kernel is kept only if the patched twin chooses the same tokens as the unpatched one, so
+what `liger generate --kernels`, the run's samples and online RL sample is what the model samples.
+
 It runs in fp32 on the CPU in about a second once transformers is imported, whatever the real
 model's size (`python bench/kernel_check.py` measures a 70B-class config).
 """
@@ -50,7 +54,7 @@ class KernelCheck:
         on = f" ({self.loss})" if self.loss else ""
         head = f"kernel check: one step on a tiny twin{on}, patched vs unpatched: "  # no timing: reproducible
         if not self.switched_off:
-            return [head + "loss and every gradient agree"]
+            return [head + "loss, every gradient and greedy generation agree"]
         return [head + "switched off " + ", ".join(self.switched_off)] + [
             f"  {name} off: {why}" for name, why in self.switched_off.items()
         ]
@@ -92,6 +96,19 @@ def disagreement(patched: Step, reference: Step) -> str | None:
     return None
 
 
+GREEDY_TOKENS = 8
+
+
+def greedy_tokens(model: nn.Module, batch: dict) -> list[list[int]]:
+    """Greedy continuations of the batch's rows cut to prompts of different lengths (left-padded)."""
+    from liger_cli.generate.engine import Sampling, generate
+
+    ids = batch["input_ids"]
+    prompts = [ids[row, : 4 + 3 * row].tolist() for row in range(ids.shape[0])]
+    found = generate(model, prompts, Sampling(GREEDY_TOKENS, temperature=0), stop_ids=[], pad_id=0)
+    return [c.ids for c in found]
+
+
 def compare_kernels(
     build: Callable[[], nn.Module], batch: dict, requested: dict[str, bool], loss_of: Callable | None = None
 ) -> tuple[dict[str, str], dict[str, str], list[str]]:
@@ -111,7 +128,12 @@ def compare_kernels(
                 parameter.requires_grad_(True)
         return model
 
-    reference = train_step(fresh(), batch, loss_of=loss_of)
+    unpatched = fresh()
+    reference = train_step(unpatched, batch, loss_of=loss_of)
+    try:
+        reference_tokens = greedy_tokens(unpatched, batch)
+    except Exception:  # noqa: BLE001 - a model that cannot generate with a cache: its steps are still compared
+        reference_tokens = None
     wrong: dict[str, str] = {}
     crashed: dict[str, str] = {}
     for kernel in [k for k in KERNELS if requested.get(k)]:
@@ -121,6 +143,12 @@ def compare_kernels(
             if kernel not in report.patched:
                 continue  # left alone by patch_model, with its reason in the report
             why = disagreement(train_step(model, batch, loss_of=loss_of), reference)
+            if (
+                why is None
+                and reference_tokens is not None
+                and greedy_tokens(model, batch) != reference_tokens
+            ):
+                why = "greedy generation chooses other tokens than the unpatched model"
         except Exception as err:  # a kernel that crashes the model is off, never a crash of the run
             crashed[kernel] = (
                 f"{type(err).__name__}: {str(err).strip().splitlines()[0][:160] if str(err) else ''}"
