@@ -79,7 +79,7 @@ def test_every_way_of_naming_the_model_gives_the_same_completions(
     run: Path, prompts: Path, tmp_path: Path
 ) -> None:
     """The run folder, final/, the last checkpoint (the same weights), the base with --adapter, the merged
-    model: the same greedy completions. An earlier checkpoint is another model."""
+    model, our kernels patched in: the same greedy completions. An earlier checkpoint is another model."""
     base = json.loads((run / "final" / "adapter_config.json").read_text())["base_model_name_or_path"]
     merged = tmp_path / "merged"
     assert liger("merge", str(run), str(merged)).returncode == 0
@@ -89,6 +89,7 @@ def test_every_way_of_naming_the_model_gives_the_same_completions(
         "step-4": [str(run / "checkpoints" / "step-4")],
         "adapter": [base, "--adapter", str(run / "final"), "--format", "instruction"],
         "merged": [str(merged), "--format", "instruction"],
+        "kernels": [str(run), "--kernels"],  # our kernels, proved on the twin first
         "step-2": [str(run / "checkpoints" / "step-2")],
     }
     found = {}
@@ -99,7 +100,14 @@ def test_every_way_of_naming_the_model_gives_the_same_completions(
         )
         assert proc.returncode == 0, (name, proc.stderr[-3000:])
         found[name] = [r["completion_ids"] for r in generated(out)]
-    assert found["final"] == found["run"] == found["step-4"] == found["adapter"] == found["merged"]
+    assert (
+        found["final"]
+        == found["run"]
+        == found["step-4"]
+        == found["adapter"]
+        == found["merged"]
+        == found["kernels"]
+    )
     assert found["step-2"] != found["final"]
 
 

@@ -111,7 +111,9 @@ def generate(
         completions = [Completion() for _ in prompts]
         running = torch.ones(len(prompts), dtype=torch.bool, device=device)
         for _ in range(sampling.max_new_tokens):
-            uniforms = torch.stack([torch.rand((), generator=g) for g in generators]).to(device)
+            uniforms = (
+                None if sampling.greedy else torch.stack([torch.rand((), generator=g) for g in generators])
+            )
             token, sampled_lp, full_lp = choose(out.logits[:, -1, :], sampling, uniforms)
             token = torch.where(running, token, torch.full_like(token, pad_id))
             for row, (t, lp, flp, live) in enumerate(
@@ -149,10 +151,10 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device) -> tuple[tor
 
 
 def choose(
-    logits: torch.Tensor, sampling: Sampling, uniforms: torch.Tensor
+    logits: torch.Tensor, sampling: Sampling, uniforms: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One token per row, its log-prob under the kept (renormalised) distribution and under the whole
-    vocabulary at the temperature. `uniforms` are one number in [0, 1) per row."""
+    vocabulary at the temperature. `uniforms` are one number in [0, 1) per row (None when greedy)."""
     scale = 1.0 if sampling.greedy else sampling.temperature
     full = torch.log_softmax(logits.float() / scale, dim=-1)
     kept = truncated(full, sampling.top_k, sampling.top_p)
@@ -161,7 +163,7 @@ def choose(
     else:
         # Inverse CDF in the vocabulary's order: the first token whose cumulative mass exceeds u.
         cdf = kept.exp().cumsum(dim=-1)
-        target = (uniforms.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
+        target = (uniforms.to(cdf.device, cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
         token = torch.searchsorted(cdf, target, right=True).squeeze(-1)
         last_kept = torch.where(kept > -torch.inf, torch.arange(kept.size(-1), device=kept.device), -1)
         token = torch.minimum(token, last_kept.max(dim=-1).values)  # rounding at the top end

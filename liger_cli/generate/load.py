@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import yaml
@@ -30,7 +29,6 @@ from liger_cli.recipe import Recipe
 
 RECIPE_FILE = "recipe.yaml"
 CHECKPOINT_STATE = "trainer_state.json"  # written last into a complete checkpoint (run/checkpoint.py)
-GENERATION_KERNELS = ("rms_norm", "rope", "swiglu")  # the loss kernels have nothing to do here
 
 
 @dataclass(frozen=True)
@@ -111,8 +109,9 @@ def load_tokenizer_for(target: Target):
     return tokenizer
 
 
-def load_model(target: Target, kernels: bool = False, device: torch.device | None = None):
-    """The model as its run built it (no activation checkpointing: nothing is trained), in eval mode."""
+def load_model(target: Target, device: torch.device | None = None):
+    """The model as its run built it (no activation checkpointing: nothing is trained; no kernels:
+    those are the commands' choice, proved on a twin first), in eval mode."""
     from liger_cli import process_state
 
     process_state.quiet_libraries()
@@ -121,12 +120,6 @@ def load_model(target: Target, kernels: bool = False, device: torch.device | Non
         model = _load_run_model(target, _one_process(recipe))
     else:
         model = _load_plain(target)
-    if kernels:
-        from liger_cli.model import patch_kernels
-
-        chosen = {name: name in GENERATION_KERNELS for name in ("rms_norm", "rope", "swiglu", "cross_entropy",
-                                                                "fused_linear_cross_entropy")}  # fmt: skip
-        patch_kernels(model, SimpleNamespace(kernels=chosen, activation_checkpointing="off"))
     if device is not None and not _quantized(model):
         model.to(device)
     return model.eval()

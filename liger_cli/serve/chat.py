@@ -30,7 +30,11 @@ def chat_command(
     tokenizer = load_tokenizer_for(target)
     renderer = Renderer(tokenizer, chat_or_text(target, tokenizer), system)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_model(target, kernels, device)
+    model = load_model(target, device)
+    if kernels:
+        from liger_cli.serve.kernels import patch_proved_kernels
+
+        patch_proved_kernels(model, target, lambda line: (out.write(line + "\n"), out.flush()))
     stops = renderer.stop_ids(getattr(model, "generation_config", None))
     keeps_history = renderer.format in ("chat", "preference")
     say = lambda text="", end="\n": (out.write(text + end), out.flush())  # noqa: E731

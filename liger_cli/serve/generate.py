@@ -57,7 +57,11 @@ def generate_command(
     renderer = Renderer(tokenizer, chat_or_text(target, tokenizer))
     prompt_ids = render_all(renderer, rows, prompts)
     rank, world, device = _processes()
-    model = load_model(target, options.kernels, device)
+    model = load_model(target, device)
+    if options.kernels:
+        from liger_cli.serve.kernels import patch_proved_kernels
+
+        patch_proved_kernels(model, target, echo if rank == 0 else lambda *_: None)
     check_lengths(prompt_ids, options.sampling.max_new_tokens, model.config, prompts)
     stops = renderer.stop_ids(getattr(model, "generation_config", None))
 
