@@ -26,11 +26,13 @@ def test_quickstart_report_show_and_jsonl_match_training(tmp_path):
     from liger_cli.data.tokenizer import load_tokenizer
 
     out = tmp_path / "examples.jsonl"
-    sets = ["--set", f"data.train={EVAL}", "--set", "data.eval=null"]
+    sets = ["--set", f"data.train={EVAL}", "--set", "data.eval=null", "--set", "training.eval_samples=0"]
     result = run(str(RECIPES / "quickstart.yaml"), *sets, "--show", "2", "--jsonl", str(out))
     assert result.exit_code == 0, result.output
 
-    recipe = load_recipe(RECIPES / "quickstart.yaml", [f"data.train={EVAL}", "data.eval=null"])
+    recipe = load_recipe(
+        RECIPES / "quickstart.yaml", [f"data.train={EVAL}", "data.eval=null", "training.eval_samples=0"]
+    )
     train, _ = build_datasets(recipe.data, load_tokenizer(recipe), recipe.training.seed)
     tokens = sum(len(x) for x in train["input_ids"])
     learned = sum(sum(1 for label in x[1:] if label != IGNORE_INDEX) for x in train["labels"])
