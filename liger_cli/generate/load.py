@@ -48,7 +48,7 @@ class Target:
 
     @property
     def describe(self) -> str:
-        return f"{self.kind} {self.weights}" + (f" on {self.base}" if self.base else "")
+        return f"{self.kind} {_shown(self.weights)}" + (f" on {_shown(self.base)}" if self.base else "")
 
 
 def find_target(path: Path, adapter: Path | None = None, fmt: str | None = None) -> Target:
@@ -172,6 +172,14 @@ def _run_weights(run: Path, path: Path) -> Path:
             "with liger train (output.resume: auto), or give another run"
         )
     return steps[-1]
+
+
+def _shown(path: Path) -> str:
+    """A path as the user would type it: relative to the working folder when it lies inside it."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 def _complete(folder: Path) -> bool:
