@@ -2,14 +2,15 @@
 
 Each kernel runs Triton on CUDA tensors and PyTorch elsewhere; `LIGER_KERNEL_BACKEND=triton|torch`
 forces one. `patch_model` puts them into one Hugging Face model instance. `fused_linear_logprob` and
-`preference_loss` are the kernel half of preference training (DPO/IPO/SimPO/ORPO).
+`preference_loss` are the kernel half of preference training (DPO/IPO/SimPO/ORPO);
+`fused_linear_token_logprob` (the same kernel, per token) and `grpo_loss` that of online RL.
 """
 
 from .cross_entropy import cross_entropy
 from .fused_linear_cross_entropy import fused_linear_cross_entropy
-from .fused_linear_logprob import fused_linear_logprob
+from .fused_linear_logprob import fused_linear_logprob, fused_linear_token_logprob
 from .patch import PatchReport, patch_model
-from .patch_loss import sequence_logprobs_loss
+from .patch_loss import sequence_logprobs_loss, token_logprobs_loss
 from .preference import check_preference_options, preference_loss
 from .rms_norm import rms_norm
 from .rope import apply_rope
@@ -22,9 +23,11 @@ __all__ = [
     "cross_entropy",
     "fused_linear_cross_entropy",
     "fused_linear_logprob",
+    "fused_linear_token_logprob",
     "patch_model",
     "preference_loss",
     "rms_norm",
     "sequence_logprobs_loss",
+    "token_logprobs_loss",
     "swiglu",
 ]

@@ -1,5 +1,7 @@
-"""Fused linear log-probability: each sequence's summed log-probability of its learned tokens,
-sum_t log_softmax(h_t @ W.T + b)[label_t], without ever holding the [tokens, vocab] logits.
+"""Fused linear log-probability: each learned token's log-probability, log_softmax(h_t @ W.T + b)
+[label_t] (optionally at a temperature), and each sequence's sum of them, without ever holding the
+[tokens, vocab] logits. One kernel family: the per-sequence sum (`fused_linear_logprob`) is a
+reduction of the per-token values (`fused_linear_token_logprob`), which online RL takes as they are.
 
 Why: preference objectives (DPO, IPO, SimPO, ORPO: `preference.py`) need only one number per
 sequence (and, for the length-normalised ones, its learned-token count), but the eager way to get
@@ -177,7 +179,7 @@ class _TargetLogprob(torch.autograd.Function):
         return grad_rows, grad_weight, grad_bias, None, None, None, None
 
 
-def fused_linear_logprob(
+def fused_linear_token_logprob(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
@@ -186,15 +188,19 @@ def fused_linear_logprob(
     shift: bool = True,
     chunk_rows: int | None = None,
     vocab_block: int | None = None,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per sequence, the summed log-probability of its learned tokens and their count.
+    """Per position, the log-probability of its target under log_softmax(logits / temperature), and
+    whether it has one: (logp [B, T] fp32, 0 where nothing is learned; learned [B, T] bool).
 
-    hidden is [B, T, H] (or [B*T, H]), weight [V, H], bias [V] or None, labels [B, T] (each
-    `ignore_index` or in [0, V)). With `shift` (the default, as transformers' causal-LM loss) hidden
-    position t predicts labels[:, t + 1]; without it, labels[:, t]. Returns (logp_sum [B] fp32,
-    count [B] int64); count is not differentiable. Gradients flow to hidden (zero at positions that
-    predict nothing), and to weight and bias only when they require grad. `vocab_block` overrides
-    the PyTorch path's vocabulary block, `chunk_rows` the Triton path's rows per chunk.
+    The family's one kernel: `fused_linear_logprob` (a preference loss's per-sequence sum) is its sum
+    over positions; online RL takes it per token. hidden is [B, T, H] (or [B*T, H]), weight [V, H],
+    bias [V] or None, labels [B, T] (each `ignore_index` or in [0, V)). With `shift` (the default, as
+    transformers' causal-LM loss) hidden position t predicts labels[:, t + 1]; without it, labels[:, t].
+    The temperature divides the logits exactly: (h @ W.T + b) / T = (h / T) @ W.T + b / T. Gradients
+    flow to hidden (zero at positions that predict nothing), and to weight and bias only when they
+    require grad. `vocab_block` overrides the PyTorch path's vocabulary block, `chunk_rows` the Triton
+    path's rows per chunk.
     """
     if labels.dim() != 2:
         raise ValueError(f"labels must be [batch, seq], got {tuple(labels.shape)}.")
@@ -205,15 +211,19 @@ def fused_linear_logprob(
         )
     if bias is not None and bias.shape != weight.shape[:1]:
         raise ValueError(f"bias {tuple(bias.shape)} does not fit weight {tuple(weight.shape)}.")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be above 0, got {temperature}.")
     targets = shift_labels(labels, ignore_index) if shift else labels
     flat = targets.reshape(-1)
     check_labels(flat, weight.shape[0], ignore_index)
     learned = flat != ignore_index
-    count = learned.view(n_seq, seq_len).sum(1)
     # The one host synchronisation (on CUDA): how many rows are learned. Prompt and padding rows
     # never reach the head; autograd scatters grad_hidden back (zeros elsewhere).
     rows = learned.nonzero().squeeze(1)
     h_rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows)
+    if temperature != 1.0:
+        h_rows = h_rows / temperature
+        bias = bias / temperature if bias is not None else None
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
         # Do what autocast would do to the matmuls, once, outside the Function (whose own matmuls use
@@ -226,6 +236,27 @@ def fused_linear_logprob(
         logp = _TargetLogprob.apply(
             h_rows, weight, bias, flat[rows], chunk_rows, vocab_block, torch.is_grad_enabled()
         )
-    # Per sequence: rows back in place (index_copy, deterministic), then a sum over positions.
+    # Rows back in place (index_copy, deterministic); zeros where nothing is learned.
     dense = torch.zeros(n_seq * seq_len, dtype=logp.dtype, device=logp.device).index_copy(0, rows, logp)
-    return dense.view(n_seq, seq_len).sum(1), count
+    return dense.view(n_seq, seq_len), learned.view(n_seq, seq_len)
+
+
+def fused_linear_logprob(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    shift: bool = True,
+    chunk_rows: int | None = None,
+    vocab_block: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sequence, the summed log-probability of its learned tokens and their count: the per-token
+    kernel (`fused_linear_token_logprob`, same arguments) summed over positions.
+
+    Returns (logp_sum [B] fp32, count [B] int64); count is not differentiable.
+    """
+    logp, learned = fused_linear_token_logprob(
+        hidden, weight, labels, bias, ignore_index, shift, chunk_rows, vocab_block
+    )
+    return logp.sum(1), learned.sum(1)

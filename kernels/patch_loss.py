@@ -152,6 +152,45 @@ def sequence_logprobs_loss(
     return torch.stack([logp, count.to(logp.dtype)])
 
 
+sequence_logprobs_loss.liger_logprobs = True  # log-probs, not a loss: wanted in eval mode too
+
+
+def token_logprobs_loss(temperature: float = 1.0):
+    """A loss_function for online RL: per position, the log-probability of the next label under
+    log_softmax(logits / temperature), and whether it is learned, stacked as [2, rows, T] (fp32), same
+    shift as ForCausalLMLoss. Fused (never the logits) when handed lm_head's deferred input."""
+    from .fused_linear_logprob import fused_linear_token_logprob
+    from .fused_linear_logprob import shift_labels as shift
+
+    def loss_function(
+        logits,
+        labels,
+        vocab_size=None,
+        num_items_in_batch=None,
+        ignore_index=-100,
+        shift_labels=None,
+        **kwargs,
+    ):
+        if isinstance(logits, DeferredLogits):
+            hidden, head = logits.hidden, logits.lm_head
+            targets = shift_labels if shift_labels is not None else shift(labels, ignore_index)
+            logp, learned = fused_linear_token_logprob(
+                hidden, head.weight, targets.to(hidden.device), head.bias, ignore_index, shift=False,
+                temperature=temperature,
+            )  # fmt: skip
+        else:
+            targets = (shift_labels if shift_labels is not None else shift(labels, ignore_index)).to(
+                logits.device
+            )
+            learned = targets != ignore_index
+            logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
+            logp = logprobs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1) * learned
+        return torch.stack([logp, learned.to(logp.dtype)])
+
+    loss_function.liger_logprobs = True
+    return loss_function
+
+
 def _loss_function_refusal(causal_lm: nn.Module) -> str | None:
     """Why the model's loss is not transformers' ForCausalLMLoss (the math our losses reproduce)."""
     from transformers.loss.loss_utils import ForCausalLMLoss
@@ -272,7 +311,7 @@ class _Intercepted:
 
 def _fused_loss(original_loss):
     """A loss_function that fuses when handed DeferredLogits and otherwise is the original one."""
-    if original_loss is sequence_logprobs_loss:
+    if getattr(original_loss, "liger_logprobs", False):
         return original_loss  # it takes DeferredLogits itself
 
     def loss_function(
@@ -403,8 +442,8 @@ def patch_fused_linear_cross_entropy(causal_lm: nn.Module):
         return refusal
 
     def forward(self, *args, **kwargs):
-        per_sequence = self.loss_function is sequence_logprobs_loss  # no logits needed, in eval mode too
-        if not ((self.training or per_sequence) and kwargs.get("labels") is not None):
+        logprobs = getattr(self.loss_function, "liger_logprobs", False)  # no logits needed, in eval mode too
+        if not ((self.training or logprobs) and kwargs.get("labels") is not None):
             return type(self).forward(self, *args, **kwargs)  # eval and generation get real logits
         with _Intercepted(self):
             output = type(self).forward(self, *args, **kwargs)

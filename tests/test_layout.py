@@ -62,7 +62,7 @@ def test_no_import_cycles() -> None:
 
 # The flow, first to last: a stage may import the stages before it, never one after it. The base
 # (errors, process-wide state) is below every stage; the commands sit on top of all of them.
-BASE = ("liger_cli", "liger_cli.errors", "liger_cli.process_state")
+BASE = ("liger_cli", "liger_cli.errors", "liger_cli.process_state", "liger_cli.rewards")
 STAGES = ("recipe", "data", "model", "generate", "twin", "plan", "launch", "run")
 COMMANDS = ("liger_cli.cli", "liger_cli.__main__", "liger_cli.merge", "liger_cli.bench", "liger_cli.serve")
 

@@ -102,16 +102,16 @@ def prepare_data(
         raise UserError(f"data error: unknown data.format {fmt!r}; use one of: {', '.join(FORMAT_FIELDS)}")
     if data_cfg.eval is not None and data_cfg.eval_fraction is not None:
         raise UserError("data error: set data.eval or data.eval_fraction, not both")
-    if fmt == "preference" and data_cfg.packing:
-        raise UserError("data error: packing does not apply to preference pairs; set data.packing: false")
+    if fmt in ("preference", "prompt") and data_cfg.packing:
+        raise UserError(f"data error: packing does not apply to format {fmt}; set data.packing: false")
     train_sources, eval_sources = sources_of(data_cfg.train, fmt), sources_of(data_cfg.eval, fmt)
     if not include_train:  # a stream reads the train data itself (liger_cli.data.stream)
         train_sources = []
     for source in train_sources + eval_sources:
-        if (source.format == "preference") != (fmt == "preference"):
+        if _kind(source.format) != _kind(fmt):
             raise UserError(
                 f"data error: {source}: format {source.format} cannot be mixed with data.format {fmt}; "
-                "preference pairs and single examples train different objectives"
+                "preference pairs, prompts and single examples train different objectives"
             )
         _check_tokenizer(tokenizer, source.format)
 
@@ -143,6 +143,11 @@ def prepare_data(
     return train, evald
 
 
+def _kind(fmt: str) -> str:
+    """Formats that mix: single examples together; pairs and prompts only with their own kind."""
+    return fmt if fmt in ("preference", "prompt") else "example"
+
+
 def encoder(fmt: str, data_cfg: DataConfig):
     """The function row -> Encoded for the format and the recipe's chat options."""
     if fmt == "chat":
@@ -165,6 +170,10 @@ def _encode(rows, source: Source, data_cfg: DataConfig, tokenizer):
         from liger_cli.data.preference import encode_pairs
 
         return encode_pairs(rows, path, data_cfg, tokenizer)
+    if source.format == "prompt":
+        from liger_cli.data.prompts import encode_prompts
+
+        return encode_prompts(rows, path, data_cfg, tokenizer)
     return _encode_rows(rows, path, source.format, data_cfg, tokenizer)
 
 
@@ -191,7 +200,10 @@ def _part(entry, data_cfg: DataConfig, order: list[int] | None) -> Split:
 
 def _finish(split: Split, data_cfg: DataConfig) -> None:
     """The dataset training receives: the model's columns, packed when packing is on."""
-    columns = [c for c in ("input_ids", "labels", "position_ids") if c in split.examples.column_names]
+    names = split.examples.column_names
+    columns = [c for c in ("input_ids", "labels", "position_ids") if c in names]
+    if "prompt_ids" in names:  # prompts (online RL), with the file row for the sampling keys
+        columns = ["prompt_ids", "prompt", "fields", "row"]
     split.dataset = split.examples.select_columns(columns or list(PAIR_COLUMNS))
     max_len = data_cfg.max_seq_len
     if data_cfg.packing:

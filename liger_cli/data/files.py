@@ -24,6 +24,7 @@ FORMAT_FIELDS = {
     "instruction": "instruction format needs instruction, output and optional input",
     "chat": "chat format needs messages: a list of {role, content} objects",
     "preference": "preference format needs chosen and rejected, and prompt: all strings or all message lists",
+    "prompt": "prompt format needs prompt: a string or a list of messages",
 }
 
 
@@ -79,6 +80,7 @@ def row_check(fmt: str):
         "instruction": _check_instruction_row,
         "chat": _check_chat_row,
         "preference": _check_preference_row,
+        "prompt": _check_prompt_row,
     }[fmt]
 
 
@@ -111,7 +113,12 @@ def quiet_datasets():
 
 
 def _string_fields(fmt: str) -> list[str]:
-    fields = {"text": ["text"], "instruction": ["instruction", "input", "output"], "chat": []}
+    fields = {
+        "text": ["text"],
+        "instruction": ["instruction", "input", "output"],
+        "chat": [],
+        "prompt": ["prompt"],
+    }
     return fields.get(fmt, ["prompt", "chosen", "rejected"])
 
 
@@ -179,6 +186,12 @@ def _check_chat_row(row: dict) -> str | None:
     if not any(m["role"] == "assistant" for m in messages):
         return 'field "messages" has no assistant turn, so there is nothing to learn'
     return None
+
+
+def _check_prompt_row(row: dict) -> str | None:
+    from liger_cli.data.prompts import check_prompt_row
+
+    return check_prompt_row(row)
 
 
 def _check_preference_row(row: dict) -> str | None:

@@ -67,7 +67,7 @@ class Completion:
     """Each token's log-probability under the whole vocabulary at the sampling temperature."""
 
 
-def sequence_seed(seed: int, key: int) -> int:
+def sequence_seed(seed: int, key: object) -> int:
     """A 63-bit seed for one sequence: the same (seed, key) always gives the same stream."""
     digest = hashlib.sha256(f"liger-sample:{seed}:{key}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
@@ -81,7 +81,7 @@ def generate(
     *,
     stop_ids: Sequence[int],
     pad_id: int,
-    keys: Sequence[int] | None = None,
+    keys: Sequence[object] | None = None,
     on_token: Callable[[int, int], None] | None = None,
     any_running: Callable[[bool], bool] | None = None,
     device: torch.device | None = None,

@@ -100,9 +100,14 @@ def load_base_model(recipe: Recipe) -> nn.Module:
 
 
 def _peft_config(recipe: Recipe):
-    from peft import LoraConfig
+    from peft import LoraConfig, PeftConfig
 
     a = recipe.adapter
+    if a.init is not None:  # the starting adapter's own configuration
+        config = PeftConfig.from_pretrained(a.init)
+        config.use_dora = a.type == "dora" or getattr(config, "use_dora", False)
+        config.inference_mode = False
+        return config
     return LoraConfig(
         r=a.r,
         lora_alpha=a.alpha,
@@ -130,6 +135,13 @@ def add_adapter(model: nn.Module, recipe: Recipe, low_cpu_mem_usage: bool = Fals
     if quantize.quantized(recipe) and not quantize.shards_weights(recipe) and not low_cpu_mem_usage:
         model = quantize.prepare_for_training(model)
     try:
+        if recipe.adapter.init is not None and not low_cpu_mem_usage:  # its trained weights, trainable
+            from peft import PeftModel
+
+            return PeftModel.from_pretrained(
+                model, recipe.adapter.init, is_trainable=True,
+                autocast_adapter_dtype=not adapter_in_model_dtype(recipe),
+            )  # fmt: skip
         return get_peft_model(
             model,
             _peft_config(recipe),

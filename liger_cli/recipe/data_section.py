@@ -40,7 +40,7 @@ class DataSource(_Section):
     """A local file, a local dataset folder, or a Hub dataset name."""
     weight: float = Field(1.0, gt=0)
     """train only: the source's share of the mixture's examples is weight / (sum of weights)."""
-    format: Literal["text", "instruction", "chat", "preference"] | None = None
+    format: Literal["text", "instruction", "chat", "preference", "prompt"] | None = None
     """The source's own format when it differs from data.format."""
     split: str | None = None
     """A Hub dataset's (or a saved DatasetDict's) split; default train."""
@@ -63,7 +63,7 @@ class DataSection(_Section):
     """A path or Hub name, one entry {path, weight, format, split, subset}, or a list of entries."""
     eval: Sources | None = None
     eval_fraction: float | None = Field(None, gt=0, lt=1)
-    format: Literal["text", "instruction", "chat", "preference"] = "text"
+    format: Literal["text", "instruction", "chat", "preference", "prompt"] = "text"
     max_seq_len: int = Field(1024, ge=8)
     packing: bool = False
     learn_turns: Literal["all", "last"] = "all"
@@ -100,12 +100,13 @@ class DataSection(_Section):
             )
         for which in ("train", "eval"):
             for i, entry in enumerate(self.entries(which)):
-                if entry.format is not None and (entry.format == "preference") != (
-                    self.format == "preference"
-                ):
+                kinds = {
+                    f: f if f in ("preference", "prompt") else "example" for f in (entry.format, self.format)
+                }
+                if entry.format is not None and kinds[entry.format] != kinds[self.format]:
                     raise ValueError(
                         f"data.{which}[{i}].format {entry.format} cannot be mixed with data.format "
-                        f"{self.format}: preference pairs and single examples train different objectives"
+                        f"{self.format}: preference pairs, prompts and single examples train different objectives"
                     )
                 if which == "eval" and entry.weight != 1:
                     raise ValueError(

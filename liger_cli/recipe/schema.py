@@ -21,6 +21,7 @@ from pydantic import (
 
 from liger_cli.recipe.base import RelPath, _Section
 from liger_cli.recipe.data_section import DataSection
+from liger_cli.recipe.rl_section import RLSection, check_rl
 
 
 def _split_names(value: Any) -> Any:
@@ -94,6 +95,29 @@ class AdapterSection(_Section):
     alpha: float = Field(32.0, gt=0)
     dropout: float = Field(0.0, ge=0, lt=1)
     target_modules: str | list[str] = "all-linear"
+    init: RelPath | None = None
+    """Start from this peft adapter folder (e.g. an SFT run's final/), trainable; its own r, alpha,
+    dropout and target modules apply (SFT -> DPO -> GRPO chains)."""
+
+    @model_validator(mode="after")
+    def _init(self) -> AdapterSection:
+        if self.init is None:
+            return self
+        if self.type == "none":
+            raise ValueError(
+                "adapter.init starts from an adapter: set adapter.type lora or dora, or remove it"
+            )
+        if not (self.init / "adapter_config.json").is_file():
+            raise ValueError(
+                f"adapter.init {self.init}: no adapter_config.json there; give a peft adapter folder"
+            )
+        set_here = sorted(self.model_fields_set & {"r", "alpha", "dropout", "target_modules"})
+        if set_here:
+            raise ValueError(
+                f"adapter.init takes r, alpha, dropout and target modules from {self.init}; remove adapter."
+                f"{', adapter.'.join(set_here)}"
+            )
+        return self
 
     @field_validator("target_modules", mode="before")
     @classmethod
@@ -131,8 +155,9 @@ class TrainingSection(_Section):
     eval_samples: int = Field(0, ge=0)
     """At each evaluation, greedy completions of the first N eval prompts, written to samples.jsonl."""
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
-    objective: Literal["sft", "dpo", "simpo", "orpo"] = "sft"
-    """sft: the causal-LM loss on the learned tokens; dpo, simpo, orpo: preference pairs (data.format preference)."""
+    objective: Literal["sft", "dpo", "simpo", "orpo", "grpo"] = "sft"
+    """sft: the causal-LM loss on the learned tokens; dpo, simpo, orpo: preference pairs (data.format
+    preference); grpo: online RL on prompts (data.format prompt) with the rl section's rewards."""
 
     @model_validator(mode="after")
     def _one_length(self) -> TrainingSection:
@@ -291,10 +316,14 @@ class Recipe(_Section):
     output: OutputSection = Field(default_factory=OutputSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
     preference: PreferenceSection = Field(default_factory=PreferenceSection)
+    rl: RLSection | None = None
 
     @model_validator(mode="after")
     def _objective_and_data(self) -> Recipe:
         objective, fmt = self.training.objective, self.data.format
+        if objective == "grpo" or fmt == "prompt" or self.rl is not None:
+            check_rl(self)
+            return self
         if objective != "sft" and fmt != "preference":
             raise ValueError(
                 f"training.objective {objective} trains on preference pairs: set data.format: preference"
@@ -356,7 +385,9 @@ class Recipe(_Section):
 
     def to_yaml(self) -> str:
         data = self.model_dump(mode="json")
-        if self.training.objective == "sft":
+        if data["rl"] is None:
+            del data["rl"]
+        if self.training.objective in ("sft", "grpo"):
             del data["preference"]  # sft recipes read as they always did
         else:  # the options the objective honours, resolved; the others would be refused on reload
             applies = self.preference.applies(self.training.objective)

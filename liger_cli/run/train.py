@@ -37,6 +37,7 @@ from liger_cli.run.evaluate import evaluate
 from liger_cli.run.fingerprint import check_same_run, fingerprint
 from liger_cli.run.inputs import Data, load_data
 from liger_cli.run.metrics import MemoryWatch, MetricsLog, peak_memory_mb
+from liger_cli.run.online import Sampler, check_prompts, evaluate_rewards, write_rollouts
 from liger_cli.run.output_dir import OutputDecision, claim_output
 from liger_cli.run.reference import precompute_for
 from liger_cli.run.samples import Samples
@@ -83,12 +84,16 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
     run_fingerprint = fingerprint(recipe, accelerator.num_processes, plan.backend)
     if check_resume(output, data, run_fingerprint, say) == "complete":
         return {}
+    objective = objective_for(recipe)  # a grpo run's reward functions are imported here
+    if getattr(objective, "online", False):
+        check_prompts(recipe, data.train, "train")
+        check_prompts(recipe, data.eval, "eval")
     memory = MemoryWatch(accelerator.device)
     model, kernel_report = build_model(recipe, plan)
     claim_output(output, accelerator.is_main_process, accelerator.wait_for_everyone)
     record_plan(recipe, plan, Applied(kernels_patched=kernel_report), accelerator.is_main_process, say)
     describe(model, data, say)
-    trainer = prepare(recipe, backend, model, data, say, run_fingerprint, memory)
+    trainer = prepare(recipe, backend, model, data, say, run_fingerprint, memory, objective)
     trainer.objective.prepare(precompute_for(trainer, output.resume_from))  # before any weight changes
     if output.resume_from is not None:
         resume(trainer, output.resume_from)
@@ -151,7 +156,14 @@ def describe(model, data: Data, say) -> None:
 
 
 def prepare(
-    recipe: Recipe, backend: Backend, model, data: Data, say, found: dict, memory: MemoryWatch
+    recipe: Recipe,
+    backend: Backend,
+    model,
+    data: Data,
+    say,
+    found: dict,
+    memory: MemoryWatch,
+    objective: Objective,
 ) -> Trainer:
     """AdamW and the schedule; the backend wraps model and optimizer and proves it did as planned."""
     from transformers import get_scheduler
@@ -169,7 +181,6 @@ def prepare(
     if gathered:
         say(f"fused loss: {gathered}")
     checkpoint.save_only_trainable_weights(backend.accelerator, model, recipe.adapter.type != "none")
-    objective = objective_for(recipe)
     return Trainer(recipe, backend, model, optimizer, scheduler, data, 0, say, found, memory, objective)
 
 
@@ -220,9 +231,14 @@ def fit(trainer: Trainer) -> dict[str, float]:
     step = trainer.step
     last: dict[str, float] = {}
     samples = Samples.of_run(recipe, data.eval, data.tokenizer, model) if t.eval_samples else None
+    online = getattr(objective, "online", False)  # grpo: batches sampled from the model as it trains
+    sampler = Sampler(recipe, backend, model, data.tokenizer) if online else None
 
     def run_eval(at: int, echo) -> None:
-        found = evaluate(model, data.eval, accelerator, objective, t.micro_batch_size, pad_id)
+        if online:
+            found = evaluate_rewards(objective, sampler, data.eval)
+        else:
+            found = evaluate(model, data.eval, accelerator, objective, t.micro_batch_size, pad_id)
         last.update(found)
         metrics_log.write(at, found, echo)
         if samples is not None:
@@ -238,9 +254,15 @@ def fit(trainer: Trainer) -> dict[str, float]:
     model.train()
     while step < data.total_steps:
         trainer.memory.step_begins()
-        micro = [
-            objective.collate(data.examples(step * t.grad_accum + a), pad_id) for a in range(t.grad_accum)
-        ]
+        if online:  # the step's prompts, each sampled rl.num_generations times and scored
+            first = objective.data_step(step) * t.grad_accum
+            examples = [data.examples(first + a) for a in range(t.grad_accum)]
+            micro = objective.rollout(step, examples, model, sampler, sampler.reduce)
+            write_rollouts(out, sampler.gather(objective.samples), main)
+        else:
+            micro = [
+                objective.collate(data.examples(step * t.grad_accum + a), pad_id) for a in range(t.grad_accum)
+            ]
         num_items = accelerator.reduce(sum(objective.units(b) for b in micro).to(device), "sum").clamp(min=1)
         step_sums = None  # the step's loss, then each of the objective's metrics (means over its units)
         for a, batch in enumerate(micro):
@@ -286,8 +308,12 @@ def fit(trainer: Trainer) -> dict[str, float]:
                 "tokens_per_s": window_tokens * accelerator.num_processes / max(elapsed, 1e-9),
                 "step_time_s": elapsed / window_steps,
                 "peak_mem_mb": peak_memory_mb(device),
+                **(objective.step_stats if online else {}),
             }
             metrics_log.write(step, last, log)
+            if online and objective.samples:
+                shown = objective.samples[0]
+                log(f"sample: {shown['completion'][:80]!r} reward {shown['reward']:.3g}")
             progress.set_postfix(loss=f"{last['loss']:.4g}", lr=f"{last['lr']:.2e}", refresh=False)
             window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
         if data.eval is not None and t.eval_every and step % t.eval_every == 0 and step < data.total_steps:

@@ -52,9 +52,17 @@ class Objective(Protocol):
 
 
 def objective_for(recipe: Recipe) -> Objective:
-    """The recipe's `training.objective`: sft (the causal-LM loss over label tokens), or a preference
-    objective (a loss per pair: dpo, simpo, orpo)."""
+    """The recipe's `training.objective`: sft (the causal-LM loss over label tokens), a preference
+    objective (a loss per pair: dpo, simpo, orpo), or grpo (online RL; its reward functions are
+    imported here, so a broken one stops the run before the model is built)."""
     objective = recipe.training.objective
     if objective == "sft":
         return CausalLM()
+    if objective == "grpo":  # online: its batches are sampled during the run (grpo.py)
+        from liger_cli.model.objectives.grpo import Grpo
+        from liger_cli.model.objectives.rewards import load_rewards
+
+        return Grpo(
+            recipe.rl, load_rewards(recipe.rl.rewards), recipe.training.seed, recipe.adapter.type != "none"
+        )
     return Preference(objective, recipe.preference, adapter=recipe.adapter.type != "none")

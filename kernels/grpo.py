@@ -1,0 +1,97 @@
+"""GRPO and its variants (DAPO, Dr. GRPO) on per-token log-probabilities: the math, one line each.
+
+What the loss needs from the model is each completion token's log-probability at the sampling
+temperature: `fused_linear_token_logprob` computes it without building logits. What is left:
+
+- advantages, per completion i of a group of G (one prompt's completions), rewards r:
+  group: A_i = (r_i - mean_G r) / (std_G r + 1e-4), std unbiased over the G rewards;
+  batch: A_i = (r_i - mean_G r) / (std_step r + 1e-4), the std over every completion of the step;
+  none:  A_i = r_i - mean_G r (Dr. GRPO).
+- per token t of completion i: ratio rho = exp(logp - logp_old) and
+  l_t = -min(rho A_i, clip(rho, 1 - eps_low, 1 + eps_high) A_i) + beta k3_t, where
+  k3_t = exp(ref - logp) - (ref - logp) - 1 >= 0 (the KL estimator), times w_t = min(p_old /
+  p_sampler, cap) with truncated importance sampling.
+- aggregation over the step's completions (`loss_units` counts what the sum is divided by):
+  grpo:    sum_i (sum_t l_t / |o_i|) / completions   (per-completion mean, then mean: the paper);
+  dapo:    sum_i sum_t l_t / completion tokens       (one token mean over the step);
+  dr_grpo: sum_i sum_t l_t / (completions x max_new_tokens).
+
+Each function returns sums over the rows it is given, never a mean: the caller divides by the step's
+global count of units (completions, or tokens for dapo), so micro-batches and processes add up to
+the same update as one batch (`tests/test_grpo.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+LOSSES = ("grpo", "dapo", "dr_grpo")
+SCALES = ("group", "batch", "none")
+STD_EPS = 1e-4
+
+
+def group_advantages(
+    rewards: torch.Tensor, group: int, scale: str = "group", batch_std: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[N x G] rewards, groups contiguous -> advantages. `batch_std` (scale "batch") is the std of every
+    reward of the step, over all processes; the caller computes it."""
+    if scale not in SCALES:
+        raise ValueError(f"scale_rewards {scale!r}: choose one of {', '.join(SCALES)}")
+    r = rewards.double().view(-1, group)
+    centred = r - r.mean(dim=1, keepdim=True)
+    if scale == "group":
+        centred = centred / (r.std(dim=1, keepdim=True) + STD_EPS)
+    elif scale == "batch":
+        if batch_std is None:
+            raise ValueError("scale_rewards batch needs the step's std of the rewards")
+        centred = centred / (batch_std.double() + STD_EPS)
+    return centred.view(-1).to(rewards.dtype)
+
+
+def grpo_token_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    epsilon_low: float,
+    epsilon_high: float,
+    beta: float = 0.0,
+    ref_logp: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token loss [B, T] (0 where `mask` is False) and per-token indicators/values for metrics:
+    `clipped` (the clip bound is the one taken), `kl` (k3, when beta > 0)."""
+    ratio = torch.exp(logp - old_logp)
+    adv = advantages.unsqueeze(1).to(logp.dtype)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * adv
+    per_token = -torch.minimum(unclipped, clipped)
+    stats = {"clipped": (clipped < unclipped).to(logp.dtype)}
+    if beta > 0:
+        if ref_logp is None:
+            raise ValueError("beta > 0 needs the reference log-probabilities")
+        delta = ref_logp - logp
+        k3 = torch.exp(delta) - delta - 1
+        per_token = per_token + beta * k3
+        stats["kl"] = k3.detach()
+    if weights is not None:
+        per_token = per_token * weights
+    mask = mask.to(logp.dtype)
+    return per_token * mask, {k: v * mask for k, v in stats.items()}
+
+
+def aggregate(values: torch.Tensor, mask: torch.Tensor, loss: str, max_new_tokens: int) -> torch.Tensor:
+    """A [B, T] per-token quantity summed as `loss` aggregates: over completions of per-completion means
+    (grpo), over tokens (dapo), over tokens / max_new_tokens (dr_grpo). Divide by `loss_units`."""
+    if loss == "grpo":
+        return (values.sum(1) / mask.sum(1).clamp(min=1)).sum()
+    if loss == "dapo":
+        return values.sum()
+    if loss == "dr_grpo":
+        return values.sum() / max_new_tokens
+    raise ValueError(f"loss {loss!r}: choose one of {', '.join(LOSSES)}")
+
+
+def loss_units(mask: torch.Tensor, loss: str) -> torch.Tensor:
+    """What the step's sum is divided by, for these rows: completions, or completion tokens (dapo)."""
+    return mask.sum() if loss == "dapo" else torch.tensor(mask.shape[0], device=mask.device)

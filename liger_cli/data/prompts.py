@@ -1,0 +1,93 @@
+"""Prompt rows for online RL (`data.format: prompt`): `{"prompt": "text" or [messages], ...fields}`.
+
+A prompt is rendered as `liger generate` renders it (`liger_cli.generate.prompts` does the same with
+this module's rules): a string after the tokenizer's prefix (bos), a message list through the chat
+template with its generation prompt. Every other field of the row (an `answer`, a `task`) is kept as
+JSON beside the prompt's ids, and reaches the reward functions as a keyword argument. Nothing is
+learned from the prompt itself: the learned tokens are the completions sampled during training.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from liger_cli.data.encode import _encode_with_prefix
+from liger_cli.data.files import ROW_COLUMN, quiet_datasets, where
+from liger_cli.data.split import DROP_COLUMN, WARNINGS_COLUMN
+from liger_cli.errors import UserError
+
+PROMPT_COLUMNS = ("prompt_ids", "prompt", "fields")
+"""What the run reads of a prompt example: its ids, the prompt as written (JSON) and the row's other
+fields (a JSON object)."""
+
+
+def prompt_ids(prompt, tokenizer) -> list[int]:
+    """The tokens a completion continues: a string after the tokenizer's prefix, or messages through
+    the chat template with its generation prompt."""
+    if isinstance(prompt, str):
+        return _encode_with_prefix(tokenizer, prompt)[0]
+    from liger_cli.data.chat import _without_nulls, render
+
+    text = render(tokenizer, _without_nulls(list(prompt)), generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def check_prompt_row(row: dict) -> str | None:
+    """The row's first problem, or None: a non-empty string, or a message list ending with a non-assistant turn."""
+    prompt = row.get("prompt")
+    if prompt is None:
+        return 'field "prompt" is missing'
+    if isinstance(prompt, str):
+        return None if prompt.strip() else 'field "prompt" is empty'
+    if not isinstance(prompt, list) or not prompt:
+        return 'field "prompt" must be a string or a non-empty list of messages'
+    for i, message in enumerate(prompt):
+        if (
+            not isinstance(message, dict)
+            or not isinstance(message.get("role"), str)
+            or message.get("content") is None
+        ):
+            return f'field "prompt[{i}]" must be an object with "role" and "content"'
+    if prompt[-1]["role"] == "assistant":
+        return 'field "prompt": the last message is the assistant\'s; end with the turn to answer'
+    return None
+
+
+def encode_prompts(rows, path: Path, data_cfg, tokenizer):
+    """One encoded row per prompt row: PROMPT_COLUMNS, the row, its length, and the DROP_COLUMN and
+    WARNINGS_COLUMN that `split_of` reads (a prompt is never dropped here: one too long for
+    rl.max_new_tokens is refused by the run, which knows that number)."""
+    path = Path(path)
+
+    def encode_batch(batch: dict[str, list]) -> dict[str, list]:
+        out: dict[str, list] = {
+            name: [] for name in (*PROMPT_COLUMNS, "row", "length", DROP_COLUMN, WARNINGS_COLUMN)
+        }
+        for j in range(len(batch[ROW_COLUMN])):
+            row = {k: v[j] for k, v in batch.items()}
+            index = row.pop(ROW_COLUMN)
+            try:
+                ids = prompt_ids(row["prompt"], tokenizer)
+            except ValueError as err:  # a template problem found while rendering this row
+                raise UserError(f"data error: {path} {where(path, index)}: {err}") from None
+            out["prompt_ids"].append(ids)
+            out["prompt"].append(json.dumps(row.pop("prompt"), ensure_ascii=False))
+            out["fields"].append(json.dumps(row, ensure_ascii=False, default=str))
+            out["row"].append(index)
+            out["length"].append(len(ids))
+            out[DROP_COLUMN].append("")
+            out[WARNINGS_COLUMN].append("[]")
+        return out
+
+    with quiet_datasets():
+        return rows.map(
+            encode_batch,
+            batched=True,
+            batch_size=1000,
+            remove_columns=rows.column_names,
+            load_from_cache_file=False,
+            keep_in_memory=True,
+            num_proc=getattr(data_cfg, "num_proc", None),
+            new_fingerprint=f"liger-prompt-{len(rows)}",
+        )

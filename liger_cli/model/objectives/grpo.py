@@ -1,0 +1,278 @@
+"""GRPO (and DAPO, Dr. GRPO): an online objective. Its batches are made during the run: each step's
+prompts are sampled G times from the model being trained, scored by the recipe's reward functions,
+and turned into advantages; then the loss is the clipped surrogate of `liger_kernels.grpo`.
+
+`rollout` makes a step's micro-batches (every prompt's G completions in the same micro-batch, so a
+group's statistics are local), through `sample`, the run's way of calling the generation engine on the
+model as its backend wraps it. Sampling is keyed by (seed, step, prompt row, completion), so the
+completions do not depend on how prompts are spread over processes. At the same time it takes, with
+no gradient, the trainer's log-probs of the sampled tokens at the sampling temperature (`old`: the
+weights that sampled) and, with beta > 0, the reference's (the adapter switched off), and compares
+the trainer's with the sampler's: the mismatch figures are logged every step, before any cap.
+
+`loss` takes each completion token's log-prob at the same temperature through the model's own
+forward (fused with our kernel patched in: never the [tokens, vocab] logits), then sums the per-token
+loss as `rl.loss` aggregates and divides by the step's global units (completions; completion tokens
+for dapo), like every objective, so micro-batches and processes add up to one batch's update.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import torch
+from torch import nn
+
+from liger_cli.data.encode import IGNORE_INDEX, collate
+from liger_cli.model.objectives.preference import find_causal_lm, kept_flags, reference_mode
+from liger_cli.model.objectives.rewards import Reward, score
+
+ROLLOUTS_FILE = "rollouts.jsonl"
+
+
+class Grpo:
+    online = True
+
+    def __init__(self, rl, rewards: list[Reward], seed: int, adapter: bool):
+        self.rl, self.rewards, self.seed, self.adapter = rl, rewards, seed, adapter
+        self.unit = "completion token" if rl.loss == "dapo" else "completion"
+        self.step_stats: dict[str, float] = {}
+        """The last rollout's metrics (means over every completion of the step, all processes)."""
+        self.samples: list[dict] = []
+        """The last rollout's rows for rollouts.jsonl (this process's completions)."""
+        self._cached: tuple[int, list] | None = None
+        self._iteration = 0
+        """Which of its num_iterations optimizer steps the current batch of completions serves."""
+
+    # --- what the loop asks -------------------------------------------------------------------------
+
+    def data_step(self, step: int) -> int:
+        """Which step's prompts serve optimizer step `step` (each batch serves num_iterations steps)."""
+        return step // self.rl.num_iterations
+
+    def rollout(self, step: int, examples: list[list[dict]], model, sample, reduce) -> list[dict]:
+        """The step's micro-batches: new completions on the first of num_iterations steps, else the
+        same ones again (their old log-probs from the weights that sampled them)."""
+        data_step = self.data_step(step)
+        self._iteration = step - data_step * self.rl.num_iterations
+        if self._cached is not None and self._cached[0] == data_step:
+            return self._cached[1]
+        micro, rows = [], []
+        for prompts in examples:
+            batch, found = self._sample(data_step, prompts, sample)
+            micro.append(batch)
+            rows += found
+        self._advantages(micro, reduce)
+        for batch in micro:
+            self._trainer_logps(model, batch)
+        self.step_stats = self._stats(micro, rows, reduce)
+        self.samples = self._rows(step, micro, rows)
+        self._cached = (data_step, micro)
+        return micro
+
+    def units(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        from liger_kernels.grpo import loss_units
+
+        return loss_units(batch["completion_mask"], self.rl.loss)
+
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor], num_items: torch.Tensor):
+        from liger_kernels.grpo import aggregate, grpo_token_loss
+
+        rl = self.rl
+        logp, mask = token_logprobs(model, batch, rl.temperature)
+        # The first update on a batch is on-policy: the old log-probs are the current ones, exactly.
+        old = logp.detach() if self._iteration == 0 else batch["old_logp"]
+        weights = None
+        if rl.importance_sampling_cap is not None:
+            ratio = torch.exp(batch["old_logp"] - batch["sampler_logp"])
+            weights = torch.clamp(ratio, max=rl.importance_sampling_cap) * mask
+        per_token, stats = grpo_token_loss(
+            logp, old, batch["advantages"], mask, rl.epsilon, rl.epsilon_high, rl.beta,
+            batch.get("ref_logp"), weights,
+        )  # fmt: skip
+        divide = num_items.to(per_token.device, per_token.dtype)
+        metrics = {"clip_fraction": aggregate(stats["clipped"], mask, rl.loss, rl.max_new_tokens) / divide}
+        if "kl" in stats:
+            metrics["kl"] = aggregate(stats["kl"], mask, rl.loss, rl.max_new_tokens) / divide
+        return aggregate(per_token, mask, rl.loss, rl.max_new_tokens) / divide, metrics
+
+    def collate(self, examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+        """The prompts alone as a batch (the final check's probe); training batches come from rollout."""
+        features = [{"input_ids": e["prompt_ids"], "labels": e["prompt_ids"],
+                     "position_ids": list(range(len(e["prompt_ids"])))} for e in examples]  # fmt: skip
+        return collate(features, pad_id)
+
+    def prepare(self, precompute) -> None:
+        return None
+
+    def start_note(self, first: dict[str, float]) -> str | None:
+        return None
+
+    # --- a rollout, step by step --------------------------------------------------------------------
+
+    def _sample(self, data_step: int, prompts: list[dict], sample) -> tuple[dict, list[dict]]:
+        """G completions of each prompt, scored; the micro-batch of prompt + completion rows."""
+        g = self.rl.num_generations
+        ids = [p["prompt_ids"] for p in prompts for _ in range(g)]
+        keys = [f"{data_step}:{p['row']}:{k}" for p in prompts for k in range(g)]
+        completions = sample(ids, keys)
+        tokenizer = sample.tokenizer
+        stops = set(sample.stop_ids)
+        texts = [
+            tokenizer.decode([t for t in c.ids if t not in stops], skip_special_tokens=True)
+            for c in completions
+        ]
+        fields_of = [json.loads(p["fields"]) for p in prompts]
+        names = sorted({k for f in fields_of for k in f})
+        fields = {name: [f.get(name) for f in fields_of for _ in range(g)] for name in names}
+        as_written = [json.loads(p["prompt"]) for p in prompts for _ in range(g)]
+        rows = [p["row"] + 1 for p in prompts for _ in range(g)]
+        totals, per_function = score(
+            self.rewards, texts, as_written, [c.ids for c in completions], fields, rows
+        )
+        found = [
+            {"prompt": as_written[i], "prompt_ids": ids[i], "completion": texts[i], "completion_ids": c.ids,
+             "sampler_logprobs": c.full_logprobs, "rewards": {n: v[i] for n, v in per_function.items()},
+             "reward": totals[i], "finish_reason": c.finish_reason}
+            for i, c in enumerate(completions)
+        ]  # fmt: skip
+        features = [
+            {"input_ids": ids[i] + c.ids, "labels": [IGNORE_INDEX] * len(ids[i]) + c.ids,
+             "position_ids": list(range(len(ids[i]) + len(c.ids)))}
+            for i, c in enumerate(completions)
+        ]  # fmt: skip
+        batch = collate(features, tokenizer.pad_token_id)
+        batch["completion_mask"] = _shifted(batch["labels"]) != IGNORE_INDEX
+        batch["sampler_logp"] = _aligned([c.full_logprobs for c in completions], [len(i) for i in ids], batch)
+        batch["rewards"] = torch.tensor(totals, dtype=torch.float32)
+        return batch, found
+
+    def _advantages(self, micro: list[dict], reduce) -> None:
+        from liger_kernels.grpo import group_advantages
+
+        batch_std = None
+        if self.rl.scale_rewards == "batch":  # the std of every reward of the step, over all processes
+            rewards = torch.cat([b["rewards"] for b in micro]).double()
+            sums = reduce(
+                torch.stack([rewards.sum(), (rewards**2).sum(), torch.tensor(float(rewards.numel()))])
+            )
+            n = sums[2]
+            mean = sums[0] / n
+            batch_std = torch.sqrt(torch.clamp((sums[1] - n * mean**2) / torch.clamp(n - 1, min=1), min=0))
+        for batch in micro:
+            batch["advantages"] = group_advantages(
+                batch["rewards"], self.rl.num_generations, self.rl.scale_rewards, batch_std
+            )
+
+    def _trainer_logps(self, model: nn.Module, batch: dict) -> None:
+        """The trainer's log-probs of the sampled tokens under the weights that sampled them (no dropout,
+        no gradient) and, with beta > 0, the reference's (the adapter switched off)."""
+        device = next(p for p in model.parameters()).device
+        on_device = {k: v.to(device) for k, v in batch.items()}
+        with torch.no_grad(), kept_flags(model):
+            model.eval()
+            batch["old_logp"] = token_logprobs(model, on_device, self.rl.temperature)[0].cpu()
+            if self.rl.beta > 0:
+                with reference_mode(model):
+                    batch["ref_logp"] = token_logprobs(model, on_device, self.rl.temperature)[0].cpu()
+
+    def _stats(self, micro: list[dict], rows: list[dict], reduce) -> dict[str, float]:
+        """The step's rollout metrics over every completion of every process."""
+        g = self.rl.num_generations
+        rewards = torch.cat([b["rewards"] for b in micro]).double()
+        lengths = torch.tensor([len(r["completion_ids"]) for r in rows], dtype=torch.float64)
+        cut = torch.tensor([r["finish_reason"] == "length" for r in rows], dtype=torch.float64)
+        zero_std = (rewards.view(-1, g).std(dim=1) < 1e-8).double()
+        mask = torch.cat([b["completion_mask"].flatten() for b in micro]).double()
+        old = torch.cat([b["old_logp"].flatten() for b in micro]).double()
+        sampler = torch.cat([b["sampler_logp"].flatten() for b in micro]).double()
+        diff = (old - sampler) * mask
+        ratio = torch.exp(diff)
+        sums = {
+            "reward": rewards.sum(), "reward_sq": (rewards**2).sum(), "completions": torch.tensor(float(len(rows))),
+            "length": lengths.sum(), "clipped_length": cut.sum(), "zero_std_groups": zero_std.sum(),
+            "groups": torch.tensor(float(zero_std.numel())), "tokens": mask.sum(),
+            "abs_diff": diff.abs().sum(), "ratio": (ratio * mask).sum(),
+        }  # fmt: skip
+        for reward in self.rewards:
+            values = [r["rewards"][reward.name] for r in rows]
+            sums[f"{reward.name}_sum"] = torch.tensor(
+                sum(v for v in values if v is not None), dtype=torch.float64
+            )
+            sums[f"{reward.name}_n"] = torch.tensor(float(sum(v is not None for v in values)))
+        names = list(sums)
+        total = dict(zip(names, reduce(torch.stack([sums[n] for n in names])).tolist(), strict=True))
+        extremes = reduce(torch.stack([
+            -lengths.min(), lengths.max(), -torch.where(mask > 0, ratio, math.inf).min(),
+            torch.where(mask > 0, ratio, -math.inf).max(),
+        ]), "max").tolist()  # fmt: skip
+        n, tokens = total["completions"], max(total["tokens"], 1.0)
+        mean = total["reward"] / n
+        stats = {
+            "reward": mean,
+            "reward_std": math.sqrt(max(total["reward_sq"] / n - mean**2, 0.0) * n / max(n - 1, 1)),
+            **{f"rewards/{r.name}": total[f"{r.name}_sum"] / max(total[f"{r.name}_n"], 1) for r in self.rewards},
+            "frac_zero_std_groups": total["zero_std_groups"] / total["groups"],
+            "completion_length": total["length"] / n, "completion_length_min": -extremes[0],
+            "completion_length_max": extremes[1], "clipped_ratio": total["clipped_length"] / n,
+            "sampler/abs_logp_diff": total["abs_diff"] / tokens, "sampler/ratio_mean": total["ratio"] / tokens,
+            "sampler/ratio_min": -extremes[2], "sampler/ratio_max": extremes[3],
+        }  # fmt: skip
+        return stats
+
+    def _rows(self, step: int, micro: list[dict], rows: list[dict]) -> list[dict]:
+        advantages = torch.cat([b["advantages"] for b in micro]).tolist()
+        keep = (
+            "prompt",
+            "prompt_ids",
+            "completion",
+            "completion_ids",
+            "sampler_logprobs",
+            "rewards",
+            "reward",
+        )
+        return [
+            {"step": step + 1, **{k: r[k] for k in keep}, "advantage": a}
+            for r, a in zip(rows, advantages, strict=True)
+        ]
+
+
+def token_logprobs(model: nn.Module, batch: dict, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per position t, the log-prob of token t + 1 at `temperature` and whether it is a completion token,
+    through the model's own forward with its loss_function swapped for the call (fused when our loss
+    kernel is patched in)."""
+    from liger_kernels import token_logprobs_loss
+
+    causal_lm = find_causal_lm(model)
+    saved = causal_lm.__dict__.get("_loss_function")
+    causal_lm.loss_function = token_logprobs_loss(temperature)
+    try:
+        inputs = {
+            k: batch[k] for k in ("input_ids", "labels", "attention_mask", "position_ids") if k in batch
+        }
+        output = model(**inputs)
+    finally:
+        if saved is None:
+            causal_lm.__dict__.pop("_loss_function", None)
+        else:
+            causal_lm.__dict__["_loss_function"] = saved
+    stacked = output.loss
+    if stacked is None or stacked.dim() != 3 or stacked.shape[1:] != batch["input_ids"].shape:
+        raise RuntimeError(
+            f"{type(causal_lm).__name__}.forward changed what its loss_function returned: grpo needs the "
+            "per-token log-probabilities untouched"
+        )
+    return stacked[0], stacked[1] > 0
+
+
+def _shifted(labels: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def _aligned(values: list[list[float]], prompt_lengths: list[int], batch: dict) -> torch.Tensor:
+    """Per-token values of the completions at the positions that predict them (t predicts t + 1)."""
+    out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
+    for row, (v, n) in enumerate(zip(values, prompt_lengths, strict=True)):
+        out[row, n - 1 : n - 1 + len(v)] = torch.tensor(v, dtype=torch.float32)
+    return out

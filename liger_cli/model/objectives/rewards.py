@@ -1,0 +1,137 @@
+"""The recipe's reward functions, loaded and called in one place; each of their failures is a user error.
+
+`rl.rewards: [{function: SPEC, weight: W}]`, SPEC a `file.py:name` (anchored at the recipe's folder)
+or an importable `package.module:name`. The contract is `liger_cli.rewards`' docstring: keyword
+arguments `completions`, `prompts`, `completion_ids` and every other field of the prompt rows (one
+value per completion), one float or None per completion back. The reward of a completion is the
+weighted sum of its functions' values, a None counting as nothing (and left out of that function's
+mean in the metrics).
+
+Anything else is an exit-2 error naming the function, the prompt row and the value: a file or module
+that does not import, a missing name, a function that raises, returns another number of values, a
+NaN or infinity, or something that is not a number.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import numbers
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from liger_cli.errors import UserError
+
+
+class RewardError(UserError):
+    """A reward function that cannot be loaded or that broke its contract."""
+
+
+@dataclass(frozen=True)
+class Reward:
+    name: str
+    spec: str
+    weight: float
+    function: object
+
+
+def load_rewards(specs) -> list[Reward]:
+    """Import every `rl.rewards` entry; names are the functions' (a repeated one gets _2, _3)."""
+    rewards: list[Reward] = []
+    for entry in specs:
+        function = _load(entry.function)
+        name = entry.function.rpartition(":")[2]
+        taken = {r.name for r in rewards}
+        if name in taken:
+            name = next(f"{name}_{k}" for k in range(2, len(taken) + 3) if f"{name}_{k}" not in taken)
+        rewards.append(Reward(name, entry.function, entry.weight, function))
+    return rewards
+
+
+def _load(spec: str):
+    where, _, name = spec.rpartition(":")
+    if where.endswith(".py"):
+        path = Path(where)
+        if not path.is_file():
+            raise RewardError(f"rl.rewards: {spec}: no such file {path} (paths are relative to the recipe)")
+        module_name = f"liger_reward_{abs(hash(str(path)))}"
+        loader = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(loader)
+        try:
+            sys.modules[module_name] = module
+            loader.loader.exec_module(module)
+        except Exception as err:  # noqa: BLE001 - the user's file: any failure is theirs to fix
+            raise RewardError(f"rl.rewards: {spec}: importing {path} failed: {_said(err)}") from None
+    else:
+        try:
+            module = importlib.import_module(where)
+        except Exception as err:  # noqa: BLE001
+            raise RewardError(f"rl.rewards: {spec}: cannot import {where}: {_said(err)}") from None
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise RewardError(f"rl.rewards: {spec}: {where} has no function {name}")
+    return function
+
+
+def score(rewards: list[Reward], completions: list[str], prompts: list, completion_ids: list[list[int]],
+          fields: dict[str, list], rows: list[int]) -> tuple[list[float], dict[str, list[float | None]]]:  # fmt: skip
+    """(each completion's total reward, each function's values); `rows` are the completions' prompt rows
+    (in their file), named in errors."""
+    per_function: dict[str, list[float | None]] = {}
+    for reward in rewards:
+        kwargs = {"completions": completions, "prompts": prompts, "completion_ids": completion_ids, **fields}
+        try:
+            values = reward.function(**kwargs)
+        except Exception as err:  # noqa: BLE001 - find the completion it fails on, for the message
+            row = _failing_row(reward, kwargs, rows)
+            raise RewardError(
+                f"reward {reward.name} ({reward.spec}) raised on prompt row {row}: {_said(err)}"
+            ) from None
+        per_function[reward.name] = _checked(reward, values, len(completions), rows)
+    totals = [
+        sum(r.weight * per_function[r.name][i] for r in rewards if per_function[r.name][i] is not None)
+        for i in range(len(completions))
+    ]
+    return totals, per_function
+
+
+def _checked(reward: Reward, values, n: int, rows: list[int]) -> list[float | None]:
+    where = f"reward {reward.name} ({reward.spec})"
+    if isinstance(values, str | bytes) or not hasattr(values, "__len__"):
+        raise RewardError(f"{where} returned {type(values).__name__}, not a list of {n} numbers")
+    values = list(values)
+    if len(values) != n:
+        raise RewardError(
+            f"{where} returned {len(values)} values for {n} completions: return one per completion"
+        )
+    out: list[float | None] = []
+    for value, row in zip(values, rows, strict=True):
+        if value is None:
+            out.append(None)
+            continue
+        if not isinstance(value, numbers.Real):
+            raise RewardError(f"{where} returned {value!r} for prompt row {row}: return a float or None")
+        if not math.isfinite(float(value)):
+            raise RewardError(
+                f"{where} returned {float(value)} for prompt row {row}: return a finite float or None"
+            )
+        out.append(float(value))
+    return out
+
+
+def _failing_row(reward: Reward, kwargs: dict, rows: list[int]):
+    """The first prompt row whose completion alone makes the function raise ("?" if none alone does)."""
+    for i, row in enumerate(rows):
+        one = {k: v[i : i + 1] if isinstance(v, list) else v for k, v in kwargs.items()}
+        try:
+            reward.function(**one)
+        except Exception:  # noqa: BLE001
+            return row
+    return "?"
+
+
+def _said(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__

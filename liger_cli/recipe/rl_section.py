@@ -1,0 +1,101 @@
+"""The recipe's `rl` section: online RL (`training.objective: grpo`) and its variants (DAPO, Dr. GRPO).
+
+The names are fixed by what users of other RL trainers know; the math of each option is one line in
+docs/rl.md and in `liger_kernels.grpo`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+
+from liger_cli.recipe.base import _resolve, _Section
+
+
+class RewardSpec(_Section):
+    function: str
+    """`file.py:name` (a file beside the recipe, or a path) or `package.module:name`."""
+    weight: float = 1.0
+
+    @field_validator("function")
+    @classmethod
+    def _spec(cls, value: str, info: ValidationInfo) -> str:
+        """A file is anchored at the recipe's folder, like every path."""
+        where, _, name = value.rpartition(":")
+        if not where or not name.isidentifier():
+            raise ValueError(
+                f"{value!r}: write file.py:function (a file beside the recipe) or package.module:function"
+            )
+        if where.endswith(".py"):
+            where = str(_resolve(Path(where), info))
+        return f"{where}:{name}"
+
+
+class RLSection(_Section):
+    num_generations: int = Field(8, ge=2)
+    """G completions sampled per prompt (a group; its rewards are compared with each other)."""
+    max_new_tokens: int = Field(256, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    """The sampling temperature; the trainer's log-probs are taken at the same temperature."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    beta: float = Field(0.0, ge=0)
+    """Weight of the KL penalty to the reference (k3 estimator); 0 runs no reference pass at all."""
+    epsilon: float = Field(0.2, gt=0, lt=1)
+    """Clip range below 1 for the importance ratio."""
+    epsilon_high: float | None = Field(None, gt=0)
+    """Clip range above 1 (DAPO: 0.28); default epsilon."""
+    loss: Literal["grpo", "dapo", "dr_grpo"] = "grpo"
+    """grpo: per-completion token mean, then mean over completions; dapo: one mean over the step's
+    completion tokens; dr_grpo: token sum / (completions x max_new_tokens)."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """Divide advantages by the group's std (group), the step's (batch), or not at all (none: Dr. GRPO)."""
+    num_iterations: int = Field(1, ge=1)
+    """Optimizer steps on each batch of completions."""
+    importance_sampling_cap: float | None = Field(None, gt=0)
+    """Weigh each token's loss by min(p_trainer / p_sampler, cap) (truncated importance sampling)."""
+    engine: Literal["transformers"] = "transformers"
+    """What samples: liger's engine on the model being trained (the only one for now)."""
+    rewards: list[RewardSpec] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _ranges(self) -> RLSection:
+        if self.epsilon_high is None:
+            self.epsilon_high = self.epsilon
+        return self
+
+
+def check_rl(recipe) -> None:
+    """A recipe that trains online RL, or names part of it: prompts in, the rl section's rewards; what
+    liger cannot do yet is refused (the Recipe's validator calls this)."""
+    if recipe.training.objective != "grpo":
+        what = "data.format prompt" if recipe.data.format == "prompt" else "the rl section"
+        raise ValueError(f"{what} goes with training.objective grpo: set it, or remove {what}")
+    if recipe.data.format != "prompt":
+        raise ValueError("training.objective grpo samples from prompts: set data.format: prompt")
+    if recipe.rl is None:
+        raise ValueError(
+            "training.objective grpo needs an rl section with rewards, e.g. "
+            "rl: {rewards: [{function: liger_cli.rewards:exact_match}]}"
+        )
+    if "preference" in recipe.model_fields_set:
+        raise ValueError("the preference section applies to dpo, simpo and orpo; remove it")
+    if recipe.rl.beta > 0 and recipe.adapter.type == "none":
+        raise ValueError(
+            "rl.beta > 0 with full fine-tuning needs a frozen reference copy, which liger does not build "
+            "yet: train through an adapter (its reference is the adapter switched off), or set rl.beta: 0"
+        )
+    if recipe.data.packing or recipe.data.streaming:
+        raise ValueError("data.packing and data.streaming do not apply to prompts; set them to false")
+    if recipe.training.eval_samples:
+        raise ValueError(
+            "training.eval_samples: a grpo run logs eval_reward from greedy completions of every eval "
+            "prompt, and writes every completion to rollouts.jsonl; remove training.eval_samples"
+        )
+    if recipe.rl.max_new_tokens >= recipe.data.max_seq_len:
+        raise ValueError(
+            f"rl.max_new_tokens {recipe.rl.max_new_tokens} leaves no room for the prompt in data.max_seq_len "
+            f"{recipe.data.max_seq_len}: raise data.max_seq_len or lower rl.max_new_tokens"
+        )

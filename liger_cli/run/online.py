@@ -1,0 +1,117 @@
+"""What an online objective (GRPO) needs of the run: a sampler on the model as the backend wraps it,
+reductions over the processes, the prompts checked, every completion written to `rollouts.jsonl`, and
+evaluation by reward.
+
+The sampler calls the one generation engine through `Backend.generation` (sharded parameters gathered
+once per call; every rank keeps stepping until all are done) with the recipe's `rl` sampling
+options. Every rank makes the same number of calls: each samples its own micro-batches' prompts, and
+evaluation pads each rank's share of the eval prompts with repeats.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from liger_cli.errors import UserError
+from liger_cli.generate.engine import Sampling, generate
+from liger_cli.generate.prompts import Renderer
+from liger_cli.model.objectives.grpo import ROLLOUTS_FILE
+from liger_cli.model.objectives.rewards import score
+
+
+class Sampler:
+    """sample(prompt_ids, keys, greedy=False) -> completions, on the model being trained."""
+
+    def __init__(self, recipe, backend, model, tokenizer):
+        rl = recipe.rl
+        self.backend, self.model, self.tokenizer = backend, model, tokenizer
+        self.sampling = Sampling(rl.max_new_tokens, rl.temperature, rl.top_p, rl.top_k, recipe.training.seed)
+        self.stop_ids = Renderer(tokenizer, "chat" if tokenizer.chat_template else "text").stop_ids()
+
+    def __call__(self, prompts: list[list[int]], keys: list, greedy: bool = False):
+        sampling = replace(self.sampling, temperature=0) if greedy else self.sampling
+        accelerator = self.backend.accelerator
+        with self.backend.generation(self.model) as (module, any_running):
+            return generate(
+                module, prompts, sampling, stop_ids=self.stop_ids, pad_id=self.tokenizer.pad_token_id,
+                keys=keys, any_running=any_running, device=accelerator.device,
+            )  # fmt: skip
+
+    def reduce(self, values: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """A sum (or max) over the processes, in float64 on the CPU."""
+        values = values.double()
+        if self.backend.accelerator.num_processes == 1:
+            return values
+        device = self.backend.accelerator.device
+        found = values.to(device)
+        kind = torch.distributed.ReduceOp.SUM if op == "sum" else torch.distributed.ReduceOp.MAX
+        torch.distributed.all_reduce(found, op=kind)
+        return found.cpu()
+
+    def gather(self, items: list) -> list:
+        """Every process's items, in rank order (on every process)."""
+        world = self.backend.accelerator.num_processes
+        if world == 1:
+            return items
+        parts: list = [None] * world
+        torch.distributed.all_gather_object(parts, items)
+        return [item for part in parts for item in part]
+
+
+def check_prompts(recipe, dataset, which: str) -> None:
+    """Every prompt leaves rl.max_new_tokens of room within data.max_seq_len (one-line exit 2 naming the row)."""
+    if dataset is None:
+        return
+    room = recipe.data.max_seq_len - recipe.rl.max_new_tokens
+    lengths = [len(ids) for ids in dataset["prompt_ids"]]
+    for i, n in enumerate(lengths):
+        if n > room:
+            row = dataset[i]["row"] + 1
+            raise UserError(
+                f"data.{which} prompt row {row}: {n} tokens, more than data.max_seq_len - rl.max_new_tokens = "
+                f"{room}: shorten the prompt, raise data.max_seq_len or lower rl.max_new_tokens"
+            )
+
+
+def write_rollouts(out: Path, rows: list[dict], main: bool) -> None:
+    if main:
+        with open(out / ROLLOUTS_FILE, "a", encoding="utf-8") as f:
+            f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+
+
+def evaluate_rewards(objective, sampler: Sampler, dataset) -> dict[str, float]:
+    """`eval_reward` and `eval_rewards/<function>`: one greedy completion per eval prompt, scored."""
+    world, rank = sampler.backend.accelerator.num_processes, sampler.backend.accelerator.process_index
+    n = len(dataset)
+    share = -(-n // world)
+    mine = [i % n for i in range(rank * share, (rank + 1) * share)]  # padded by repeats: equal calls
+    real = [rank * share + k < n for k in range(share)]
+    prompts = [dataset[i] for i in mine]
+    completions = sampler(
+        [p["prompt_ids"] for p in prompts], [f"eval:{p['row']}" for p in prompts], greedy=True
+    )
+    stops = set(sampler.stop_ids)
+    texts = [
+        sampler.tokenizer.decode([t for t in c.ids if t not in stops], skip_special_tokens=True)
+        for c in completions
+    ]
+    fields_of = [json.loads(p["fields"]) for p in prompts]
+    names = sorted({k for f in fields_of for k in f})
+    fields = {name: [f.get(name) for f in fields_of] for name in names}
+    totals, per_function = score(objective.rewards, texts, [json.loads(p["prompt"]) for p in prompts],
+                                 [c.ids for c in completions], fields, [p["row"] + 1 for p in prompts])  # fmt: skip
+    keep = torch.tensor(real, dtype=torch.float64)
+    sums = [(torch.tensor(totals, dtype=torch.float64) * keep).sum(), keep.sum()]
+    for reward in objective.rewards:
+        values = per_function[reward.name]
+        sums += [sum(v for v, k in zip(values, real, strict=True) if k and v is not None),
+                 sum(1.0 for v, k in zip(values, real, strict=True) if k and v is not None)]  # fmt: skip
+    total = sampler.reduce(torch.tensor([float(s) for s in sums], dtype=torch.float64)).tolist()
+    found = {"eval_reward": total[0] / max(total[1], 1)}
+    for k, reward in enumerate(objective.rewards):
+        found[f"eval_rewards/{reward.name}"] = total[2 + 2 * k] / max(total[3 + 2 * k], 1)
+    return found

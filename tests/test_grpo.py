@@ -1,0 +1,282 @@
+"""GRPO proved piece by piece: the advantages and the surrogate against hand-written formulas, the loss
+normalisation against accumulation (8 completions in one micro-batch = 2 x 4 = 4 x 2, for every
+`rl.loss`), the fused per-token log-probs against plain logits, the reward-function contract, and the
+recipe's refusals."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from liger_cli.errors import UserError
+from liger_cli.model.objectives.grpo import Grpo, token_logprobs
+from liger_cli.model.objectives.rewards import RewardError, load_rewards, score
+from liger_cli.recipe.rl_section import RLSection
+
+
+def rl(**over) -> RLSection:
+    return RLSection(rewards=[{"function": "liger_cli.rewards:exact_match"}], **over)
+
+
+# --- the math --------------------------------------------------------------------------------------------------
+
+
+def test_advantages_for_each_scaling():
+    from liger_kernels.grpo import group_advantages
+
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 5.0])
+    g1, g2 = [1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 5.0]
+    std = lambda xs: math.sqrt(sum((x - sum(xs) / 4) ** 2 for x in xs) / 3)  # noqa: E731 - unbiased
+    want = [(x - 0.5) / (std(g1) + 1e-4) for x in g1] + [(x - 2.75) / (std(g2) + 1e-4) for x in g2]
+    assert group_advantages(r, 4, "group").tolist() == pytest.approx(want, rel=1e-6)
+    assert group_advantages(r, 4, "none").tolist() == pytest.approx(
+        [0.5, -0.5, -0.5, 0.5, -0.75, -0.75, -0.75, 2.25]
+    )
+    batch = group_advantages(r, 4, "batch", torch.tensor(2.0))
+    assert batch.tolist() == pytest.approx(
+        [a / 2.0001 for a in [0.5, -0.5, -0.5, 0.5, -0.75, -0.75, -0.75, 2.25]]
+    )
+
+
+def test_the_surrogate_and_the_kl_term():
+    from liger_kernels.grpo import grpo_token_loss
+
+    logp = torch.tensor([[-1.0, -2.0], [-0.5, -0.1]])
+    old = torch.tensor([[-1.5, -2.0], [-0.2, -0.1]])
+    ref = torch.tensor([[-1.2, -1.0], [-0.5, -0.3]])
+    adv = torch.tensor([1.0, -2.0])
+    mask = torch.tensor([[True, True], [True, False]])
+    loss, stats = grpo_token_loss(logp, old, adv, mask, 0.2, 0.28, beta=0.1, ref_logp=ref)
+    for b in range(2):
+        for t in range(2):
+            rho = math.exp(logp[b, t] - old[b, t])
+            a = adv[b].item()
+            surrogate = -min(rho * a, min(max(rho, 0.8), 1.28) * a)
+            d = (ref[b, t] - logp[b, t]).item()
+            want = (surrogate + 0.1 * (math.exp(d) - d - 1)) * mask[b, t].item()
+            assert loss[b, t].item() == pytest.approx(want, abs=1e-6)
+    # Clipped where the bound is taken: rho = e^0.5 > 1.28 with A > 0; rho = e^-0.3 < 0.8 with A < 0.
+    assert stats["clipped"].tolist() == [[1.0, 0.0], [1.0, 0.0]]
+
+
+def test_aggregations_divide_as_their_papers_say():
+    from liger_kernels.grpo import aggregate, loss_units
+
+    values = torch.tensor([[1.0, 3.0, 0.0], [2.0, 0.0, 0.0]])
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    assert (aggregate(values, mask, "grpo", 3) / loss_units(mask, "grpo")).item() == pytest.approx(
+        (2.0 + 2.0) / 2
+    )
+    assert (aggregate(values, mask, "dapo", 3) / loss_units(mask, "dapo")).item() == pytest.approx(6.0 / 3)
+    assert (aggregate(values, mask, "dr_grpo", 3) / loss_units(mask, "dr_grpo")).item() == pytest.approx(
+        6.0 / (2 * 3)
+    )
+
+
+# --- the objective's loss through a real model ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_model_dir):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    return get_peft_model(model, config)
+
+
+def rollout_batch(n: int = 8, seed: int = 0) -> dict:
+    """n prompt + completion rows of different lengths, as a rollout makes them."""
+    from liger_cli.data.encode import IGNORE_INDEX, collate
+    from liger_cli.model.objectives.grpo import _shifted
+
+    g = torch.Generator().manual_seed(seed)
+    features = []
+    for i in range(n):
+        prompt = torch.randint(4, 800, (3 + i % 3,), generator=g).tolist()
+        completion = torch.randint(4, 800, (2 + (i * 5) % 7,), generator=g).tolist()
+        features.append({"input_ids": prompt + completion, "labels": [IGNORE_INDEX] * len(prompt) + completion,
+                         "position_ids": list(range(len(prompt) + len(completion)))})  # fmt: skip
+    batch = collate(features, 0)
+    batch["completion_mask"] = _shifted(batch["labels"]) != IGNORE_INDEX
+    batch["advantages"] = torch.randn(n, generator=g)
+    batch["old_logp"] = -torch.rand(batch["input_ids"].shape, generator=g)
+    batch["sampler_logp"] = batch["old_logp"] - 0.01
+    return batch
+
+
+def rows(batch: dict, index: list[int]) -> dict:
+    return {k: v[index] for k, v in batch.items()}
+
+
+@pytest.mark.parametrize("loss", ["grpo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize("iteration", [0, 1])
+def test_accumulation_and_processes_add_up_to_one_batch(policy, loss, iteration):
+    """The same 8 completions as 1 x 8, 2 x 4 and 4 x 2 micro-batches (a process is a micro-batch
+    whose units are summed over ranks): the same loss and the same gradient, within fp32 rounding."""
+    objective = Grpo(rl(loss=loss, max_new_tokens=8, importance_sampling_cap=2.0, beta=0.0), [], 0, True)
+    objective._iteration = iteration  # 0: on-policy (old = current); 1: a later update, old from the batch
+    batch = rollout_batch()
+
+    def step(splits):
+        policy.zero_grad(set_to_none=True)
+        parts = [rows(batch, s) for s in splits]
+        num_items = sum(objective.units(p) for p in parts)
+        total = 0.0
+        for p in parts:
+            value, _ = objective.loss(policy, p, num_items)
+            value.backward()
+            total += value.item()
+        return total, {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
+
+    one, grads = step([list(range(8))])
+    for splits in ([[0, 1, 2, 3], [4, 5, 6, 7]], [[0, 1], [2, 3], [4, 5], [6, 7]]):
+        total, split_grads = step(splits)
+        assert total == pytest.approx(one, abs=1e-6)
+        for name, grad in grads.items():
+            torch.testing.assert_close(split_grads[name], grad, atol=1e-6, rtol=1e-4, msg=name)
+    assert any(g.abs().sum() > 0 for g in grads.values())
+
+
+def test_fused_token_logprobs_equal_the_plain_ones(tiny_model_dir):
+    """With our fused loss patched in, per-token log-probs (at a temperature) and their gradients equal
+    those taken from the model's own logits."""
+    from liger_kernels import patch_model
+    from transformers import AutoModelForCausalLM
+
+    batch = rollout_batch(4)
+    found = []
+    for fused in (False, True):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        if fused:
+            report = patch_model(model, rms_norm=False, rope=False, swiglu=False, cross_entropy=False,
+                                 fused_linear_cross_entropy=True)  # fmt: skip
+            assert "fused_linear_cross_entropy" in report.patched
+        model.train()
+        logp, mask = token_logprobs(model, batch, temperature=0.7)
+        (logp * batch["advantages"][:, None]).sum().backward()
+        found.append(
+            (
+                logp.detach(),
+                mask,
+                model.lm_head.weight.grad.clone(),
+                model.model.embed_tokens.weight.grad.clone(),
+            )
+        )
+    (plain_logp, plain_mask, *plain_grads), (fused_logp, fused_mask, *fused_grads) = found
+    assert torch.equal(plain_mask, fused_mask) and torch.equal(plain_mask, batch["completion_mask"])
+    torch.testing.assert_close(fused_logp, plain_logp, atol=2e-5, rtol=0)
+    for got, want in zip(fused_grads, plain_grads, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    # The temperature is the sampler's: log_softmax(logits / 0.7) at the completion tokens.
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    targets = torch.nn.functional.pad(batch["input_ids"][:, 1:], (0, 1))
+    want = torch.log_softmax(logits / 0.7, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1) * plain_mask
+    torch.testing.assert_close(plain_logp, want, atol=2e-5, rtol=0)
+
+
+# --- reward functions ------------------------------------------------------------------------------------------
+
+
+def spec(function: str, weight: float = 1.0):
+    return SimpleNamespace(function=function, weight=weight)
+
+
+def test_rewards_are_called_with_the_fields_and_weighted(tmp_path):
+    file = tmp_path / "rewards.py"
+    file.write_text(
+        "def short(completions, **kw):\n    return [1.0 if len(c) < 4 else 0.0 for c in completions]\n"
+        "def maybe(completions, task, **kw):\n    return [None if t == 'skip' else 2.0 for t in task]\n"
+    )
+    rewards = load_rewards(
+        [spec("liger_cli.rewards:exact_match"), spec(f"{file}:short", 0.5), spec(f"{file}:maybe")]
+    )
+    assert [r.name for r in rewards] == ["exact_match", "short", "maybe"]
+    totals, per = score(rewards, ["12", "twelve", "12 "], ["p"] * 3, [[1], [2], [3]],
+                        {"answer": ["12", "12", "13"], "task": ["a", "skip", "a"]}, [1, 1, 2])  # fmt: skip
+    assert per == {"exact_match": [1.0, 0.0, 0.0], "short": [1.0, 0.0, 1.0], "maybe": [2.0, None, 2.0]}
+    assert totals == [1.0 + 0.5 + 2.0, 0.0, 0.5 + 2.0]
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ("    raise KeyError('answer')", "reward bad (FILE:bad) raised on prompt row 8: KeyError: 'answer'"),
+        ("    return [1.0]", "reward bad (FILE:bad) returned 1 values for 2 completions"),
+        ("    return [1.0, float('nan')]", "returned nan for prompt row 8: return a finite float or None"),
+        ("    return [1.0, 'yes']", "returned 'yes' for prompt row 8: return a float or None"),
+        ("    return 1.0", "returned float, not a list of 2 numbers"),
+    ],
+)
+def test_a_reward_function_that_breaks_the_contract_is_named(tmp_path, body, message):
+    file = tmp_path / "r.py"
+    file.write_text(
+        "def bad(completions, **kw):\n    if len(completions) == 1 and completions[0] == 'ok':\n        return [1.0]\n"
+        + body
+        + "\n"  # fmt: skip
+    )
+    rewards = load_rewards([spec(f"{file}:bad")])
+    with pytest.raises(RewardError) as err:
+        score(rewards, ["ok", "no"], ["p", "q"], [[1], [2]], {}, [3, 8])
+    assert message.replace("FILE", str(file)) in str(err.value)
+    assert isinstance(err.value, UserError)
+
+
+def test_reward_functions_that_do_not_load_are_named(tmp_path):
+    broken = tmp_path / "broken.py"
+    broken.write_text("import not_a_module_anywhere\n")
+    cases = {
+        f"{tmp_path / 'missing.py'}:f": "no such file",
+        f"{broken}:f": "importing",
+        "liger_cli.rewards:nothing": "liger_cli.rewards has no function nothing",
+        "no_such_package.mod:f": "cannot import no_such_package.mod",
+    }
+    for function, message in cases.items():
+        with pytest.raises(RewardError, match=message):
+            load_rewards([spec(function)])
+
+
+# --- the recipe ------------------------------------------------------------------------------------------------
+
+
+def test_the_recipe_refuses_what_grpo_cannot_do(tmp_path, tiny_model_dir):
+    from liger_cli.recipe.load import validate_recipe
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi", "answer": "x"}\n')
+    base = {
+        "model": {"path": str(tiny_model_dir)},
+        "data": {"train": str(prompts), "format": "prompt", "max_seq_len": 64},
+        "training": {"objective": "grpo", "max_steps": 1},
+        "rl": {"max_new_tokens": 8, "rewards": [{"function": "rewards.py:f"}]},
+    }
+    recipe = validate_recipe(base, tmp_path)
+    assert recipe.rl.epsilon_high == recipe.rl.epsilon == 0.2
+    assert recipe.rl.rewards[0].function == f"{tmp_path / 'rewards.py'}:f"  # anchored at the recipe
+    cases = [
+        ({"training": {"max_steps": 1}}, "data.format prompt goes with training.objective grpo"),
+        ({"data": {"train": str(prompts), "format": "chat"}}, "set data.format: prompt"),
+        ({"rl": None}, "needs an rl section"),
+        ({"rl": {"rewards": []}}, "rl.rewards"),
+        ({"rl": {"rewards": [{"function": "nocolon"}]}}, "write file.py:function"),
+        ({"rl": {"max_new_tokens": 64, "rewards": [{"function": "m:f"}]}}, "leaves no room for the prompt"),
+        (
+            {"adapter": {"type": "none"}, "rl": {"beta": 0.1, "rewards": [{"function": "m:f"}]}},
+            "frozen reference",
+        ),
+        ({"rl": {"loss": "ppo", "rewards": [{"function": "m:f"}]}}, "rl.loss"),
+    ]
+    for over, message in cases:
+        data = {**base, **over}
+        if data.get("rl") is None:
+            data.pop("rl")
+        with pytest.raises(UserError, match=message):
+            validate_recipe(data, tmp_path)
