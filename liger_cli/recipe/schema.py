@@ -392,6 +392,8 @@ class Recipe(_Section):
         else:  # the options the objective honours, resolved; the others would be refused on reload
             applies = self.preference.applies(self.training.objective)
             data["preference"] = {k: v for k, v in data["preference"].items() if applies[k]}
+        if self.adapter.init is not None:  # the starting adapter's own settings apply: not repeated here
+            data["adapter"] = {k: v for k, v in data["adapter"].items() if k in ("type", "init")}
         if self.model.quantize == "none":
             del data["model"]["quantize_double"]  # it applies to a 4-bit base only: the file must load again
         return yaml.safe_dump(data, sort_keys=False)

@@ -1,0 +1,163 @@
+"""GRPO runs as a user runs them: `liger train` on prompts, starting from an SFT run's adapter
+(`adapter.init`), with every completion in rollouts.jsonl, the sampler and the trainer in agreement,
+an exact resume, `liger generate` on the result, and one-line errors for broken rewards and prompts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from safetensors.torch import load_file
+from test_output_safety import one_line_error
+from test_train import QUICK_DATA, liger, recipe_text
+
+TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+ROLLOUT_FIELDS = ["step", "prompt", "prompt_ids", "completion", "completion_ids", "sampler_logprobs", "rewards",
+                  "reward", "advantage"]  # fmt: skip
+
+
+def write_prompts(path: Path, source: Path, n: int) -> Path:
+    rows = [json.loads(line) for line in source.read_text().splitlines()[:n]]
+    path.write_text("".join(json.dumps({"prompt": TEMPLATE.format(**r), "answer": r["output"], "id": k}) + "\n"
+                            for k, r in enumerate(rows)))  # fmt: skip
+    return path
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model_dir: Path, tmp_path_factory) -> dict:
+    """A short SFT run (its adapter starts GRPO) and prompt files from the quickstart's data."""
+    root = tmp_path_factory.mktemp("grpo")
+    sft = root / "sft"
+    recipe = root / "sft.yaml"
+    recipe.write_text(recipe_text(tiny_model_dir, sft, training="{max_steps: 4, micro_batch_size: 8, lr: 1.0e-2, seed: 1}",
+                                  output=f"{{dir: {sft}, overwrite: true}}"))  # fmt: skip
+    proc = liger("train", str(recipe))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    train = write_prompts(root / "train.jsonl", QUICK_DATA / "train.jsonl", 16)
+    evald = write_prompts(root / "eval.jsonl", QUICK_DATA / "eval.jsonl", 6)
+    return {"root": root, "model": tiny_model_dir, "sft": sft / "final", "train": train, "eval": evald}
+
+
+def grpo_recipe(setup: dict, out: Path, **over) -> Path:
+    recipe = {
+        "model": {"path": str(setup["model"])},
+        "adapter": {"type": "lora", "init": str(setup["sft"])},
+        "data": {"train": str(setup["train"]), "eval": str(setup["eval"]), "format": "prompt", "max_seq_len": 48},
+        "training": {"objective": "grpo", "max_steps": 3, "micro_batch_size": 2, "grad_accum": 2, "lr": 2.0e-3,
+                     "scheduler": "constant", "seed": 5, "eval_every": 2},
+        "rl": {"num_generations": 4, "max_new_tokens": 8, "temperature": 1.0, "loss": "dapo",
+               "rewards": [{"function": "liger_cli.rewards:exact_match"}, {"function": "rewards.py:short", "weight": 0.5}]},
+        "output": {"dir": str(out), "overwrite": True, "save_every": 2},
+        "logging": {"every": 1, "tensorboard": False},
+    }  # fmt: skip
+    for key, value in over.items():
+        section, _, name = key.partition("__")
+        recipe[section][name] = value
+    (out.parent / "rewards.py").write_text(
+        "def short(completions, **kwargs):\n    return [1.0 if len(c) < 12 else 0.0 for c in completions]\n"
+    )
+    path = out.parent / f"{out.name}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def run(setup) -> Path:
+    out = setup["root"] / "run"
+    proc = liger("train", str(grpo_recipe(setup, out)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "final model verified" in proc.stdout and "sample: " in proc.stdout
+    return out
+
+
+def test_a_grpo_run_writes_every_completion_and_its_figures(run: Path) -> None:
+    rollouts = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
+    assert len(rollouts) == 3 * 4 * 4  # steps x prompts per step x G
+    assert all(list(r) == ROLLOUT_FIELDS for r in rollouts)
+    assert [r["step"] for r in rollouts] == [1] * 16 + [2] * 16 + [3] * 16
+    for r in rollouts:
+        assert set(r["rewards"]) == {"exact_match", "short"}
+        assert r["reward"] == pytest.approx(r["rewards"]["exact_match"] + 0.5 * r["rewards"]["short"])
+        assert len(r["sampler_logprobs"]) == len(r["completion_ids"]) <= 8
+    groups = [rollouts[k : k + 4] for k in range(0, 48, 4)]
+    for group in groups:  # one prompt per group; advantages centred within it
+        assert len({json.dumps(r["prompt"]) for r in group}) == 1
+        assert sum(r["advantage"] for r in group) == pytest.approx(0.0, abs=1e-5)
+    steps = [m for m in metrics(run) if "loss" in m]
+    for m in steps:
+        for key in ("reward", "reward_std", "rewards/exact_match", "rewards/short", "frac_zero_std_groups",
+                    "completion_length", "completion_length_min", "completion_length_max", "clipped_ratio",
+                    "clip_fraction", "sampler/ratio_min", "sampler/ratio_mean", "sampler/ratio_max"):  # fmt: skip
+            assert key in m, key
+        assert m["sampler/abs_logp_diff"] < 1e-4  # the engine and the trainer agree (fp32)
+        assert 0.999 < m["sampler/ratio_min"] <= m["sampler/ratio_max"] < 1.001
+        step_rows = [r for r in rollouts if r["step"] == m["step"]]
+        assert m["reward"] == pytest.approx(sum(r["reward"] for r in step_rows) / 16)
+    evals = [m for m in metrics(run) if "eval_reward" in m]
+    assert [m["step"] for m in evals] == [0, 2, 3] and all("eval_rewards/short" in m for m in evals)
+
+
+def test_generate_runs_on_the_grpo_result(run: Path, setup, tmp_path: Path) -> None:
+    out = tmp_path / "out.jsonl"
+    proc = liger(
+        "generate", str(run), "--prompts", str(setup["eval"]), "--out", str(out), "--max-new-tokens", "8"
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 6 and all("answer" in r and "completion" in r for r in rows)
+
+
+def test_a_stopped_run_resumes_to_the_same_weights(setup, run: Path) -> None:
+    """Sampling is keyed by (seed, step, prompt row, completion): a run stopped after step 2 and resumed
+    samples what the uninterrupted run sampled, and ends with the same adapter."""
+    out = setup["root"] / "stopped"
+    proc = liger("train", str(grpo_recipe(setup, out, training__max_steps=2)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = liger(
+        "train",
+        str(grpo_recipe(setup, out)),
+        "--set",
+        "output.resume=auto",
+        "--set",
+        "output.overwrite=false",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got, want = (load_file(p / "final" / "adapter_model.safetensors") for p in (out, run))
+    assert got.keys() == want.keys()
+    for key in want:
+        assert (got[key] - want[key]).abs().max() < 1e-6, key
+    resumed = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+    whole = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
+    assert [r["completion_ids"] for r in resumed] == [r["completion_ids"] for r in whole]
+
+
+def test_broken_rewards_and_long_prompts_are_one_line_errors(setup) -> None:
+    root = setup["root"]
+    out = root / "broken"
+    recipe = grpo_recipe(setup, out)
+    (root / "rewards.py").write_text(
+        "def short(completions, answer, **kwargs):\n    return [len(a) / 0 for a in answer]\n"
+    )
+    line = one_line_error(liger("train", str(recipe)))
+    assert "reward short" in line and "raised on prompt row 1: ZeroDivisionError" in line, line
+    (root / "rewards.py").write_text("raise RuntimeError('oops')\n")
+    line = one_line_error(liger("train", str(recipe)))
+    assert "importing" in line and "RuntimeError: oops" in line, line
+    assert not (out / "final").exists()
+    long = root / "long.jsonl"
+    lines = setup["train"].read_text().splitlines()[:3]
+    long.write_text(
+        "\n".join([*lines[:2], json.dumps({"prompt": "one two three " * 30, "answer": "x"}), lines[2]]) + "\n"
+    )
+    grpo = grpo_recipe(setup, root / "long", data__train=str(long))
+    (root / "rewards.py").write_text(
+        "def short(completions, **kwargs):\n    return [0.0] * len(completions)\n"
+    )
+    line = one_line_error(liger("train", str(grpo)))
+    assert "data.train prompt row 3" in line and "data.max_seq_len - rl.max_new_tokens" in line, line
