@@ -92,22 +92,7 @@ def policy(tiny_model_dir):
 
 def rollout_batch(n: int = 8, seed: int = 0) -> dict:
     """n prompt + completion rows of different lengths, as a rollout makes them."""
-    from liger_cli.data.encode import IGNORE_INDEX, collate
-    from liger_cli.model.objectives.grpo import _shifted
-
-    g = torch.Generator().manual_seed(seed)
-    features = []
-    for i in range(n):
-        prompt = torch.randint(4, 800, (3 + i % 3,), generator=g).tolist()
-        completion = torch.randint(4, 800, (2 + (i * 5) % 7,), generator=g).tolist()
-        features.append({"input_ids": prompt + completion, "labels": [IGNORE_INDEX] * len(prompt) + completion,
-                         "position_ids": list(range(len(prompt) + len(completion)))})  # fmt: skip
-    batch = collate(features, 0)
-    batch["completion_mask"] = _shifted(batch["labels"]) != IGNORE_INDEX
-    batch["advantages"] = torch.randn(n, generator=g)
-    batch["old_logp"] = -torch.rand(batch["input_ids"].shape, generator=g)
-    batch["sampler_logp"] = batch["old_logp"] - 0.01
-    return batch
+    return Grpo(rl(), [], 0, True).twin_batch(800, 0, rows=n, seed=seed)
 
 
 def rows(batch: dict, index: list[int]) -> dict:

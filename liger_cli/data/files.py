@@ -189,9 +189,24 @@ def _check_chat_row(row: dict) -> str | None:
 
 
 def _check_prompt_row(row: dict) -> str | None:
-    from liger_cli.data.prompts import check_prompt_row
-
-    return check_prompt_row(row)
+    """The row's first problem, or None: a non-empty string, or a message list ending with a non-assistant turn."""
+    prompt = row.get("prompt")
+    if prompt is None:
+        return 'field "prompt" is missing'
+    if isinstance(prompt, str):
+        return None if prompt.strip() else 'field "prompt" is empty'
+    if not isinstance(prompt, list) or not prompt:
+        return 'field "prompt" must be a string or a non-empty list of messages'
+    for i, message in enumerate(prompt):
+        if (
+            not isinstance(message, dict)
+            or not isinstance(message.get("role"), str)
+            or message.get("content") is None
+        ):
+            return f'field "prompt[{i}]" must be an object with "role" and "content"'
+    if prompt[-1]["role"] == "assistant":
+        return 'field "prompt": the last message is the assistant\'s; end with the turn to answer'
+    return None
 
 
 def _check_preference_row(row: dict) -> str | None:

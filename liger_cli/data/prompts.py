@@ -33,27 +33,6 @@ def prompt_ids(prompt, tokenizer) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def check_prompt_row(row: dict) -> str | None:
-    """The row's first problem, or None: a non-empty string, or a message list ending with a non-assistant turn."""
-    prompt = row.get("prompt")
-    if prompt is None:
-        return 'field "prompt" is missing'
-    if isinstance(prompt, str):
-        return None if prompt.strip() else 'field "prompt" is empty'
-    if not isinstance(prompt, list) or not prompt:
-        return 'field "prompt" must be a string or a non-empty list of messages'
-    for i, message in enumerate(prompt):
-        if (
-            not isinstance(message, dict)
-            or not isinstance(message.get("role"), str)
-            or message.get("content") is None
-        ):
-            return f'field "prompt[{i}]" must be an object with "role" and "content"'
-    if prompt[-1]["role"] == "assistant":
-        return 'field "prompt": the last message is the assistant\'s; end with the turn to answer'
-    return None
-
-
 def encode_prompts(rows, path: Path, data_cfg, tokenizer):
     """One encoded row per prompt row: PROMPT_COLUMNS, the row, its length, and the DROP_COLUMN and
     WARNINGS_COLUMN that `split_of` reads (a prompt is never dropped here: one too long for

@@ -155,7 +155,10 @@ def build_plan(recipe: Recipe, model: nn.Module | None = None, env: Mapping[str,
         kernels_off=kernels_off,
         activation_checkpointing=ac_mode,
         activation_checkpointing_reason=ac_reason,
-        global_batch=t.micro_batch_size * t.grad_accum * world,
+        global_batch=t.micro_batch_size
+        * t.grad_accum
+        * world
+        * (recipe.rl.num_generations if recipe.rl else 1),
         length=f"{t.max_steps} optimizer steps" if t.max_steps else f"{t.epochs or 1:g} epoch(s)",
         wrap_classes=wrap_classes,
         wrap_source=wrap_source,
@@ -250,5 +253,7 @@ def _adapter(recipe: Recipe) -> str:
     a = recipe.adapter
     if a.type == "none":
         return "none (full fine-tuning)"
+    if a.init is not None:
+        return f"{a.type} from {a.init} (its r, alpha and targets), trainable"
     targets = a.target_modules if isinstance(a.target_modules, str) else ",".join(a.target_modules)
     return f"{a.type} r={a.r} alpha={a.alpha:g} dropout={a.dropout:g} targets={targets}"

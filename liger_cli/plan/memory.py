@@ -71,6 +71,8 @@ class Settings:
     """Sequences per example: 2 for a preference pair (chosen and rejected go through one forward)."""
     reference: str | None = None
     """DPO's reference: "pass" (the adapter disabled, under no_grad) or "table" (precomputed)."""
+    kv_cache_bytes: int = 0
+    """GRPO: the KV cache of sampling one micro-batch's completions (freed before its forward)."""
 
 
 @dataclass(frozen=True)
@@ -198,7 +200,9 @@ def estimate(facts: Facts, s: Settings) -> tuple[dict[str, int], dict[str, str]]
         "pass": "; the reference pass keeps none",
         "table": "; reference log-probs precomputed before training, 8 bytes a pair",
     }.get(s.reference, "")
-    pairs = f" ({s.micro_batch} pairs{reference})" if s.rows_per_example == 2 else ""
+    pairs = f" ({s.micro_batch} pairs{reference})" if s.rows_per_example == 2 and not s.kv_cache_bytes else ""
+    if s.kv_cache_bytes:
+        pairs = f" ({s.micro_batch} prompts x {s.rows_per_example} completions)"
     notes["activations"] = f"{rows} x {facts.seq_len} tokens{pairs}, {mode}"
     if facts.activations is None:
         parts["activations"] = 0
@@ -207,6 +211,11 @@ def estimate(facts: Facts, s: Settings) -> tuple[dict[str, int], dict[str, str]]
         acts = facts.activations.checkpointed() if s.checkpointing else facts.activations.total
         parts["activations"] = int(acts * rows / facts.batch)
     parts["loss"], notes["loss"] = _loss(facts, rows * facts.seq_len, s.fused_loss)
+    if s.kv_cache_bytes:  # sampling precedes the step and is freed before it: counted as an upper bound
+        parts["kv cache"] = s.kv_cache_bytes
+        notes["kv cache"] = (
+            f"sampling {rows} sequences of up to {facts.seq_len} tokens (freed before the step)"
+        )
     parts["overhead"] = OVERHEAD_BYTES.get(facts.device, OVERHEAD_BYTES["cuda"])
     notes["overhead"] = "CUDA context, workspaces" if parts["overhead"] else "none measurable on a CPU"
     return parts, notes
@@ -245,9 +254,25 @@ def settings_of(recipe: Recipe, plan: Plan) -> Settings:
         grad_accum=t.grad_accum,
         checkpointing=plan.activation_checkpointing != "off",
         fused_loss=bool(plan.kernels.get("fused_linear_cross_entropy")),
-        rows_per_example=1 if t.objective == "sft" else 2,
+        rows_per_example={"sft": 1, "grpo": recipe.rl.num_generations if recipe.rl else 1}.get(
+            t.objective, 2
+        ),
         reference=("pass" if recipe.adapter.type != "none" else "table") if t.objective == "dpo" else None,
+        kv_cache_bytes=kv_cache_bytes(recipe) if t.objective == "grpo" else 0,
     )
+
+
+def kv_cache_bytes(recipe: Recipe) -> int:
+    """Keys and values of every layer for a micro-batch's completions at data.max_seq_len, model dtype."""
+    from liger_cli.model import model_dtype, read_config
+
+    config = read_config(recipe.model.path or recipe.model.config, recipe.model.trust_remote_code)
+    text = getattr(config, "get_text_config", lambda: config)()
+    layers, heads = getattr(text, "num_hidden_layers", 0), getattr(text, "num_attention_heads", 0)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else 0)
+    rows = recipe.training.micro_batch_size * recipe.rl.num_generations
+    return 2 * layers * kv_heads * head_dim * rows * recipe.data.max_seq_len * model_dtype(recipe).itemsize
 
 
 def plan_memory(recipe: Recipe, plan: Plan, model: nn.Module, device_memory: int | None) -> MemoryPlan:

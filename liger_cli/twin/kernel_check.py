@@ -200,7 +200,10 @@ def check_kernels(
         with twin_session():
             batch = tiny_batch(build())
             loss_of = None
-            if getattr(objective, "unit", None) == "pair":
+            if hasattr(objective, "twin_batch"):  # online RL: its loss on rollout rows
+                rollout = objective.twin_batch(*twin_vocab(build()))
+                loss_of = lambda model: objective.loss(model, rollout, objective.units(rollout))[0]  # noqa: E731
+            elif getattr(objective, "unit", None) == "pair":
                 pairs = objective.collate(tiny_pairs(build()), twin_vocab(build())[1])
                 loss_of = lambda model: objective.loss(model, pairs, objective.units(pairs))[0]  # noqa: E731
             wrong, crashed, report = compare_kernels(build, batch, requested, loss_of)
@@ -211,5 +214,11 @@ def check_kernels(
         switched_off={**wrong, **crashed},
         twin_report=tuple(report),
         seconds=time.perf_counter() - start,
-        loss=f"the {objective.objective} loss on pairs" if loss_of is not None else "",
+        loss=_loss_name(objective) if loss_of is not None else "",
     )
+
+
+def _loss_name(objective) -> str:
+    if hasattr(objective, "twin_batch"):
+        return f"the grpo loss ({objective.rl.loss}) on rollouts"
+    return f"the {objective.objective} loss on pairs"

@@ -150,11 +150,10 @@ def packing_disagreement(model: nn.Module) -> str | None:
 def _accumulation_verdict(model: nn.Module, name: str, grad_accum: int, processes: int, objective) -> Verdict:
     why = accumulation_disagreement(model, objective)
     if why is None:
-        what = (
-            "uneven label counts"
-            if objective.unit == "label token"
-            else f"{objective.objective} loss on pairs"
-        )
+        what = {
+            "label token": "uneven label counts",
+            "pair": f"{getattr(objective, 'objective', '')} loss on pairs",
+        }.get(objective.unit, f"grpo loss on {objective.unit}s")
         return Verdict(f"{ACCUMULATION_HEAD} (padding, {what}): loss and every gradient agree")
     if grad_accum == 1 and processes == 1:
         return Verdict(
@@ -177,9 +176,13 @@ def accumulation_disagreement(model: nn.Module, objective=None) -> str | None:
 
     objective = objective or rule.CausalLM()
     vocab, pad = twin_vocab(model)
-    pairs = objective.unit == "pair"
-    examples = tiny_pairs(model) if pairs else _examples(ACCUMULATION_EXAMPLES, vocab)
-    whole, micro = objective.collate(examples, pad), [objective.collate([e], pad) for e in examples]
+    if hasattr(objective, "twin_batch"):  # an online objective: rollout rows, four of them
+        whole = objective.twin_batch(vocab, pad)
+        micro = [{k: v[i : i + 1] for k, v in whole.items()} for i in range(whole["input_ids"].shape[0])]
+    else:
+        pairs = objective.unit == "pair"
+        examples = tiny_pairs(model) if pairs else _examples(ACCUMULATION_EXAMPLES, vocab)
+        whole, micro = objective.collate(examples, pad), [objective.collate([e], pad) for e in examples]
     num_items = objective.units(whole)
     if int(num_items) != int(sum(objective.units(b) for b in micro)):
         return f"the {objective.unit}s counted differ between one micro-batch of 4 and four of 1"

@@ -106,6 +106,24 @@ class Grpo:
     def prepare(self, precompute) -> None:
         return None
 
+    def twin_batch(self, vocab: int, pad_id: int, rows: int = 4, seed: int = 0) -> dict[str, torch.Tensor]:
+        """Rollout rows as `rollout` makes them, with random ids below `vocab` (prompts and completions of
+        different lengths, advantages, old and sampler log-probs), for the twin's checks: its kernels
+        and accumulation are proved on this objective's loss."""
+        g = torch.Generator().manual_seed(seed)
+        features = []
+        for i in range(rows):
+            prompt = torch.randint(3, vocab, (3 + i % 3,), generator=g).tolist()
+            completion = torch.randint(3, vocab, (2 + (i * 5) % 7,), generator=g).tolist()
+            features.append({"input_ids": prompt + completion, "labels": [IGNORE_INDEX] * len(prompt) + completion,
+                             "position_ids": list(range(len(prompt) + len(completion)))})  # fmt: skip
+        batch = collate(features, pad_id)
+        batch["completion_mask"] = _shifted(batch["labels"]) != IGNORE_INDEX
+        batch["advantages"] = torch.randn(rows, generator=g)
+        batch["old_logp"] = -torch.rand(batch["input_ids"].shape, generator=g)
+        batch["sampler_logp"] = batch["old_logp"] - 0.01
+        return batch
+
     def start_note(self, first: dict[str, float]) -> str | None:
         return None
 
