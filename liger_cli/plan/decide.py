@@ -42,9 +42,12 @@ class Plan:
     activation_checkpointing: str
     activation_checkpointing_reason: str
     global_batch: int
+    """Examples (sequences, pairs or prompts) per optimizer step, over every process."""
     length: str
     kernels_off: dict[str, str] = field(default_factory=dict)
     """Kernels the recipe asked for but the launcher switched off, with the reason."""
+    completions_per_example: int = 0
+    """Online RL: completions sampled per prompt (0 otherwise)."""
     wrap_classes: tuple[str, ...] | None = None
     """FSDP wrap classes, resolved on the model (None: the backend does not wrap)."""
     wrap_source: str | None = None
@@ -71,7 +74,12 @@ class Plan:
             ("adapter", self.adapter),
             ("kernels requested", ", ".join(on) or "none"),
             ("activation ckpt", f"{self.activation_checkpointing} ({self.activation_checkpointing_reason})"),
-            ("global batch", f"{self.global_batch} sequences per optimizer step"),
+            (
+                "global batch",
+                f"{self.global_batch} sequences per optimizer step"
+                if not self.completions_per_example
+                else f"{self.global_batch} prompts x {self.completions_per_example} completions per optimizer step",
+            ),
             ("length", self.length),
         ]
         if self.kernels_off:
@@ -155,10 +163,8 @@ def build_plan(recipe: Recipe, model: nn.Module | None = None, env: Mapping[str,
         kernels_off=kernels_off,
         activation_checkpointing=ac_mode,
         activation_checkpointing_reason=ac_reason,
-        global_batch=t.micro_batch_size
-        * t.grad_accum
-        * world
-        * (recipe.rl.num_generations if recipe.rl else 1),
+        global_batch=t.micro_batch_size * t.grad_accum * world,
+        completions_per_example=recipe.rl.num_generations if recipe.rl else 0,
         length=f"{t.max_steps} optimizer steps" if t.max_steps else f"{t.epochs or 1:g} epoch(s)",
         wrap_classes=wrap_classes,
         wrap_source=wrap_source,

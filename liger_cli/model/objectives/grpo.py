@@ -108,7 +108,7 @@ class Grpo:
 
     def twin_batch(self, vocab: int, pad_id: int, rows: int = 4, seed: int = 0) -> dict[str, torch.Tensor]:
         """Rollout rows as `rollout` makes them, with random ids below `vocab` (prompts and completions of
-        different lengths, advantages, old and sampler log-probs), for the twin's checks: its kernels
+        different lengths, advantages, old, sampler and reference log-probs), for the twin's checks: its kernels
         and accumulation are proved on this objective's loss."""
         g = torch.Generator().manual_seed(seed)
         features = []
@@ -122,6 +122,8 @@ class Grpo:
         batch["advantages"] = torch.randn(rows, generator=g)
         batch["old_logp"] = -torch.rand(batch["input_ids"].shape, generator=g)
         batch["sampler_logp"] = batch["old_logp"] - 0.01
+        if self.rl.beta > 0:
+            batch["ref_logp"] = batch["old_logp"] - 0.05
         return batch
 
     def start_note(self, first: dict[str, float]) -> str | None:

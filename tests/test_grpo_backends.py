@@ -1,0 +1,104 @@
+"""GRPO with 2 real processes on gloo trains what 1 process trains, under DDP, FSDP-1, FSDP-2 and ZeRO-3:
+the same completions (sampling keyed by step, prompt row and completion, not by process), the same
+rewards and losses per step, and the same adapter. The 1-process run takes the same global batch
+(2 prompts x 2 micro-batches x 2 processes = 2 x 4 x 1), each prompt with its 4 completions."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from test_distributed import run_driver
+
+QUICK = Path(__file__).resolve().parents[1] / "recipes" / "quickstart" / "data"
+TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+BACKENDS = {"ddp": {}, "fsdp1": {}, "fsdp2": {}, "deepspeed": {"zero_stage": 3}}
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> dict:
+    """A tiny model, a LoRA adapter to start from (random B, so the policy is not the base), prompts,
+    and a reward with spread (a random model never answers exactly)."""
+    from conftest import save_tiny_model
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("grpo-dist")
+    model_dir = save_tiny_model(root / "llama")
+    torch.manual_seed(0)
+    peft = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
+                          LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))  # fmt: skip
+    peft.save_pretrained(root / "init")
+    rows = [json.loads(line) for line in (QUICK / "train.jsonl").read_text().splitlines()[:16]]
+    prompts = root / "prompts.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"prompt": TEMPLATE.format(**r), "answer": r["output"]}) + "\n" for r in rows)
+    )
+    (root / "rewards.py").write_text(
+        "def spread(completion_ids, **kwargs):\n    return [sum(i % 7 for i in ids) / 20 for ids in completion_ids]\n"
+    )
+    return {"root": root, "model": model_dir, "init": root / "init", "prompts": prompts}
+
+
+def recipe(assets: dict, out: Path, backend: str = "none", **distributed) -> Path:
+    world = 1 if backend == "none" else 2
+    data = {
+        "model": {"path": str(assets["model"])},
+        "adapter": {"type": "lora", "init": str(assets["init"])},
+        "data": {"train": str(assets["prompts"]), "format": "prompt", "max_seq_len": 40},
+        "training": {"objective": "grpo", "max_steps": 2, "micro_batch_size": 2, "grad_accum": 4 // world,
+                     "lr": 5.0e-3, "scheduler": "constant", "seed": 3},
+        "rl": {"num_generations": 4, "max_new_tokens": 6, "loss": "grpo", "beta": 0.05,
+               "rewards": [{"function": f"{assets['root'] / 'rewards.py'}:spread"}]},
+        "output": {"dir": str(out)},
+        "logging": {"every": 1, "tensorboard": False},
+        "distributed": {"backend": backend, "num_processes": world, **distributed},
+    }  # fmt: skip
+    path = out.parent / f"{out.name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def steps(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def rollouts(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def reference(assets) -> Path:
+    out = assets["root"] / "ref"
+    run_driver({"cases": [{"recipe": str(recipe(assets, out))}]}, assets["root"], nproc=1)
+    return out
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_two_processes_train_the_one_process_grpo_run(backend, assets, reference, tmp_path) -> None:
+    if backend == "deepspeed":
+        pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (scripts/setup.sh installs it)")
+    out = tmp_path / "run"
+    run_driver(
+        {"cases": [{"recipe": str(recipe(assets, out, backend, **BACKENDS[backend]))}]}, tmp_path, nproc=2
+    )
+    got, want = rollouts(out), rollouts(reference)
+    assert len(got) == len(want) == 2 * 8 * 4
+    key = lambda r: (r["step"], json.dumps(r["prompt"]), r["completion_ids"])  # noqa: E731 - order within a step
+    assert sorted(map(key, got)) == sorted(map(key, want))  # the same completions
+    for mine, theirs in zip(sorted(got, key=key), sorted(want, key=key), strict=True):
+        assert mine["reward"] == pytest.approx(theirs["reward"], abs=1e-9)
+        assert mine["advantage"] == pytest.approx(theirs["advantage"], abs=1e-5)
+    for mine, theirs in zip(steps(out), steps(reference), strict=True):
+        for name in ("loss", "reward", "kl", "clip_fraction", "sampler/abs_logp_diff"):
+            assert mine[name] == pytest.approx(theirs[name], abs=1e-5), name
+    assert all(m["reward_std"] > 0 for m in steps(out))  # the test has something to learn from
+    got_w, want_w = (load_file(p / "final" / "adapter_model.safetensors") for p in (out, reference))
+    assert got_w.keys() == want_w.keys() and got_w
+    for name in want_w:
+        torch.testing.assert_close(got_w[name], want_w[name], atol=2e-5, rtol=1e-4, msg=name)
