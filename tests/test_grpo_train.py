@@ -173,3 +173,26 @@ def test_the_shipped_grpo_recipe_raises_held_out_reward(tmp_path: Path) -> None:
     evals = [m["eval_reward"] for m in metrics(tmp_path / "grpo") if "eval_reward" in m]
     assert len(evals) == 6
     assert evals[-1] >= evals[0] + 0.15, evals
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {"adapter": {"type": "none"}},  # full fine-tuning (beta 0: no reference copy needed)
+        {"adapter": {"type": "dora", "r": 4, "alpha": 8}},
+        {"adapter": {"type": "lora", "r": 4, "alpha": 8}, "model__quantize": "nf4"},
+    ],
+    ids=["full", "dora", "qlora"],
+)
+def test_every_adapter_kind_trains_with_grpo(setup, tmp_path: Path, over: dict) -> None:
+    out = tmp_path / "run"
+    path = grpo_recipe(setup, out, training__max_steps=2, training__eval_every=None,
+                       **{k: v for k, v in over.items() if k != "adapter"})  # fmt: skip
+    recipe = yaml.safe_load(path.read_text())
+    recipe["adapter"] = over["adapter"]
+    path.write_text(yaml.safe_dump(recipe))
+    proc = liger("train", str(path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "final model verified" in proc.stdout
+    assert len((out / "rollouts.jsonl").read_text().splitlines()) == 2 * 4 * 4
+    assert all(m["sampler/abs_logp_diff"] < 1e-4 for m in metrics(out) if "loss" in m)
