@@ -196,3 +196,17 @@ def test_every_adapter_kind_trains_with_grpo(setup, tmp_path: Path, over: dict) 
     assert "final model verified" in proc.stdout
     assert len((out / "rollouts.jsonl").read_text().splitlines()) == 2 * 4 * 4
     assert all(m["sampler/abs_logp_diff"] < 1e-4 for m in metrics(out) if "loss" in m)
+
+
+def test_num_iterations_reuses_each_batch_of_completions(setup, tmp_path: Path) -> None:
+    """num_iterations 2: completions are sampled on steps 1 and 3 and each batch trains two steps; the
+    second update of a batch takes its old log-probs from the weights that sampled (ratios move off 1)."""
+    out = tmp_path / "run"
+    proc = liger("train", str(grpo_recipe(setup, out, training__max_steps=4, training__eval_every=None,
+                                          rl__num_iterations=2)))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rollouts = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rollouts] == [1] * 16 + [3] * 16
+    steps = [m for m in metrics(out) if "loss" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3, 4]
+    assert steps[0]["clip_fraction"] == 0 and steps[1]["loss"] != steps[0]["loss"]

@@ -53,7 +53,10 @@ def load_data(recipe: Recipe, accelerator) -> Data:
             f"data.train has {len(train_ds)} usable examples, fewer than one global micro-batch "
             f"({t.micro_batch_size} x {world} processes): lower training.micro_batch_size"
         )
-    return Data(tokenizer, train_ds, eval_ds, batches, total_steps(t, batches))
+    steps = total_steps(t, batches)
+    if recipe.rl is not None and not t.max_steps:  # epochs of prompts: each batch serves num_iterations steps
+        steps *= recipe.rl.num_iterations
+    return Data(tokenizer, train_ds, eval_ds, batches, steps)
 
 
 def load_stream(recipe: Recipe, accelerator, tokenizer) -> Data:

@@ -20,12 +20,18 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import torch
 from torch import nn
 
 from liger_cli.data.encode import IGNORE_INDEX, collate
-from liger_cli.model.objectives.preference import find_causal_lm, kept_flags, reference_mode
+from liger_cli.model.objectives.preference import (
+    find_causal_lm,
+    kept_flags,
+    loss_function_swapped,
+    reference_mode,
+)
 from liger_cli.model.objectives.rewards import Reward, score
 
 ROLLOUTS_FILE = "rollouts.jsonl"
@@ -57,16 +63,21 @@ class Grpo:
         data_step = self.data_step(step)
         self._iteration = step - data_step * self.rl.num_iterations
         if self._cached is not None and self._cached[0] == data_step:
+            self.samples = []  # written when they were sampled
             return self._cached[1]
+        start = time.perf_counter()
         micro, rows = [], []
         for prompts in examples:
             batch, found = self._sample(data_step, prompts, sample)
             micro.append(batch)
             rows += found
+        sampled = time.perf_counter()
         self._advantages(micro, reduce)
         for batch in micro:
             self._trainer_logps(model, batch)
         self.step_stats = self._stats(micro, rows, reduce)
+        # This process's seconds: sampling and scoring, then the whole rollout (with the no-grad log-probs).
+        self.step_stats |= {"time/sampling_s": sampled - start, "time/rollout_s": time.perf_counter() - start}
         self.samples = self._rows(step, micro, rows)
         self._cached = (data_step, micro)
         return micro
@@ -265,18 +276,9 @@ def token_logprobs(model: nn.Module, batch: dict, temperature: float) -> tuple[t
     from liger_kernels import token_logprobs_loss
 
     causal_lm = find_causal_lm(model)
-    saved = causal_lm.__dict__.get("_loss_function")
-    causal_lm.loss_function = token_logprobs_loss(temperature)
-    try:
-        inputs = {
-            k: batch[k] for k in ("input_ids", "labels", "attention_mask", "position_ids") if k in batch
-        }
-        output = model(**inputs)
-    finally:
-        if saved is None:
-            causal_lm.__dict__.pop("_loss_function", None)
-        else:
-            causal_lm.__dict__["_loss_function"] = saved
+    names = ("input_ids", "labels", "attention_mask", "position_ids")
+    with loss_function_swapped(causal_lm, token_logprobs_loss(temperature)):
+        output = model(**{k: batch[k] for k in names if k in batch})
     stacked = output.loss
     if stacked is None or stacked.dim() != 3 or stacked.shape[1:] != batch["input_ids"].shape:
         raise RuntimeError(

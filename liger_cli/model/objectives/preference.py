@@ -147,16 +147,9 @@ def sequence_logprobs(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple
     from liger_kernels import sequence_logprobs_loss
 
     causal_lm = find_causal_lm(model)
-    saved = causal_lm.__dict__.get("_loss_function")
-    causal_lm.loss_function = sequence_logprobs_loss
-    try:
+    with loss_function_swapped(causal_lm, sequence_logprobs_loss):
         inputs = {k: v for k, v in batch.items() if k != PAIR_INDEX}
         output = model(**inputs, **_no_router_loss(causal_lm))
-    finally:
-        if saved is None:
-            causal_lm.__dict__.pop("_loss_function", None)
-        else:
-            causal_lm.__dict__["_loss_function"] = saved
     stacked = output.loss
     if stacked is None or stacked.dim() != 2 or stacked.shape[1] != batch["input_ids"].shape[0]:
         raise RuntimeError(
@@ -164,6 +157,21 @@ def sequence_logprobs(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple
             "added to it?): the preference objectives need the per-sequence log-probabilities untouched"
         )
     return stacked[0], stacked[1]
+
+
+@contextlib.contextmanager
+def loss_function_swapped(causal_lm: nn.Module, loss_function):
+    """The causal-LM module's `loss_function` replaced for a forward (log-probs instead of a loss), then
+    exactly what it was (an instance attribute or the class's)."""
+    saved = causal_lm.__dict__.get("_loss_function")
+    causal_lm.loss_function = loss_function
+    try:
+        yield
+    finally:
+        if saved is None:
+            causal_lm.__dict__.pop("_loss_function", None)
+        else:
+            causal_lm.__dict__["_loss_function"] = saved
 
 
 def find_causal_lm(model: nn.Module) -> nn.Module:
