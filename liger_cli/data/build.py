@@ -103,7 +103,8 @@ def prepare_data(
     if data_cfg.eval is not None and data_cfg.eval_fraction is not None:
         raise UserError("data error: set data.eval or data.eval_fraction, not both")
     if fmt in ("preference", "prompt") and data_cfg.packing:
-        raise UserError(f"data error: packing does not apply to format {fmt}; set data.packing: false")
+        what = "preference pairs" if fmt == "preference" else "prompts (format prompt)"
+        raise UserError(f"data error: packing does not apply to {what}; set data.packing: false")
     train_sources, eval_sources = sources_of(data_cfg.train, fmt), sources_of(data_cfg.eval, fmt)
     if not include_train:  # a stream reads the train data itself (liger_cli.data.stream)
         train_sources = []
