@@ -5,7 +5,9 @@ data (`inputs.py`) -> model (adapter, checkpointing, kernels) -> output folder c
 -> optimizer, schedule and `prepare` -> the objective's `prepare` (values it needs from the untrained
 model, e.g. reference log-probs: `reference.py`) -> resume. Then `fit`: one
 loop over optimizer steps, each taking `grad_accum` micro-batches per process (`batches.py` says
-which). Everything that differs between backends is a call on the `Backend` object.
+which). An online objective (GRPO) makes a step's micro-batches by sampling from the model being
+trained instead (`rollout`, with `online.py`'s sampler). Everything that differs between backends is
+a call on the `Backend` object.
 
 The logged loss is the true mean over the label tokens of the whole optimizer step (all micro-
 batches, all ranks): each micro-batch's loss is a sum divided by the step's global token count.
