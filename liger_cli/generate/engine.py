@@ -107,14 +107,14 @@ def generate(
     was_training = model.training
     model.eval()
     try:
-        out = _forward(model, ids, mask, positions, None)
+        logits, cache = _forward(model, ids, mask, positions, None)
         completions = [Completion() for _ in prompts]
         running = torch.ones(len(prompts), dtype=torch.bool, device=device)
         for _ in range(sampling.max_new_tokens):
             uniforms = (
                 None if sampling.greedy else torch.stack([torch.rand((), generator=g) for g in generators])
             )
-            token, sampled_lp, full_lp = choose(out.logits[:, -1, :], sampling, uniforms)
+            token, sampled_lp, full_lp = choose(logits, sampling, uniforms)
             token = torch.where(running, token, torch.full_like(token, pad_id))
             for row, (t, lp, flp, live) in enumerate(
                 zip(token.tolist(), sampled_lp.tolist(), full_lp.tolist(), running.tolist(), strict=True)
@@ -133,7 +133,7 @@ def generate(
                 break
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             positions = positions[:, -1:] + 1
-            out = _forward(model, token[:, None], mask, positions, out.past_key_values)
+            logits, cache = _forward(model, token[:, None], mask, positions, cache)
     finally:
         model.train(was_training)
     return completions
@@ -191,17 +191,23 @@ def truncated(logprobs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 
 def _forward(model: nn.Module, ids, mask, positions, cache):
     """One forward with the KV cache on (the run keeps it off in its config), last position's logits only
-    where the model can skip the others."""
-    kwargs = {"attention_mask": mask, "position_ids": positions, "use_cache": True, "past_key_values": cache}
-    if _takes_logits_to_keep(model):
+    where the model can skip the others. Returns (logits of the last position, the cache)."""
+    params = _forward_parameters(model)
+    # transformers 5.24 renamed `past_key_values` to `cache` (the old name still works, with a warning).
+    name = "cache" if "cache" in params else "past_key_values"
+    kwargs = {"attention_mask": mask, "position_ids": positions, "use_cache": True, name: cache}
+    if "logits_to_keep" in params:
         kwargs["logits_to_keep"] = 1
-    return model(input_ids=ids, **kwargs)
+    out = model(input_ids=ids, **kwargs)
+    found = getattr(out, name, None)
+    return out.logits[:, -1, :], found if found is not None else getattr(out, "past_key_values", None)
 
 
-def _takes_logits_to_keep(model: nn.Module) -> bool:
+def _forward_parameters(model: nn.Module) -> set[str]:
+    """The causal-LM forward's parameter names, looked up through peft, DDP and DeepSpeed wrappers."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    base = getattr(base, "module", base)  # a DeepSpeed engine or DDP wrapper passed whole
+    base = getattr(base, "module", base)
     try:
-        return "logits_to_keep" in inspect.signature(type(base).forward).parameters
+        return set(inspect.signature(type(base).forward).parameters)
     except (TypeError, ValueError):
-        return False
+        return set()
