@@ -1,10 +1,13 @@
 """Benchmark, not a test: peak memory and time of the per-sequence log-probability a preference loss
-needs (DPO/IPO/SimPO/ORPO), forward+backward, fused against eager, with lm_head trainable and frozen.
+needs (DPO/IPO/SimPO/ORPO), or with `--per-token` the per-token log-probability (at a sampling
+temperature) that online RL (GRPO) needs, forward+backward, fused against eager, with lm_head
+trainable and frozen.
 
 Variants: `eager` (what TRL-style trainers do: logits for every position, hidden @ weight.T, then
 log_softmax in fp32, gather the shifted labels, mask, sum per sequence) and `ours`
 (liger_kernels' fused_linear_logprob; its PyTorch path on a CPU: learned rows only, blocks of the
-vocabulary). Each sequence gets its own upstream gradient (both signs), as a preference loss gives.
+vocabulary; per token: fused_linear_token_logprob, of which the per-sequence one is the sum). Each
+sequence (per token: each token) gets its own upstream gradient (both signs), as the loss gives.
 A size is BATCHxSEQxHIDDENxVOCAB; `--learned` is the fraction of each sequence that is answer (the
 rest is prompt, label -100), 0.5 by default.
 
@@ -16,6 +19,7 @@ time is the best of --repeats passes after a warm-up pass (with --repeats 0 the 
 
     python bench/logprob_memory.py                           # Llama-3-8B head, 4 x 256 positions
     python bench/logprob_memory.py --sizes 8x512x4096x128256 --repeats 0   # 2048 learned tokens
+    python bench/logprob_memory.py --per-token --temperature 0.7   # GRPO's per-token log-probs
 """
 
 from __future__ import annotations
@@ -38,13 +42,13 @@ VARIANTS = ("eager", "ours")
 LM_HEADS = ("trainable", "frozen")
 
 
-def worker(variant, size, lm_head, learned, dtype, device, repeats):
+def worker(variant, size, lm_head, learned, dtype, device, repeats, per_token=False, temperature=1.0):
     """Runs in the subprocess: build inputs, run the variant, return its peak growth and best time."""
     cuda = device.startswith("cuda")
     if not cuda and sys.platform.startswith("linux"):
         ctypes.CDLL("libc.so.6").mallopt(-3, 2**20)  # M_MMAP_THRESHOLD = 1 MiB, as liger train sets
     import torch
-    from liger_kernels import fused_linear_logprob
+    from liger_kernels import fused_linear_logprob, fused_linear_token_logprob
 
     batch, seq, hidden_size, vocab = (int(n) for n in size.split("x"))
     torch_dtype = getattr(torch, dtype)
@@ -56,15 +60,17 @@ def worker(variant, size, lm_head, learned, dtype, device, repeats):
     labels = torch.randint(0, vocab, (batch, seq), generator=g)
     labels[:, : seq - int(seq * learned)] = -100  # the prompt
     labels = labels.to(device)
-    upstream = torch.randn(batch, generator=g).to(device)
+    upstream = torch.randn(*((batch, seq - 1) if per_token else (batch,)), generator=g).to(device)
 
     def step():
         if variant == "eager":
-            logits = (hidden[:, :-1] @ weight.t()).float()
+            logits = (hidden[:, :-1] @ weight.t()).float() / temperature
             targets = labels[:, 1:]
             mask = targets != -100
             token = logits.log_softmax(-1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-            logp = (token * mask).sum(-1)
+            logp = token * mask if per_token else (token * mask).sum(-1)
+        elif per_token:
+            logp = fused_linear_token_logprob(hidden, weight, labels, temperature=temperature)[0][:, :-1]
         else:
             logp, _ = fused_linear_logprob(hidden, weight, labels)
         logp.backward(upstream)
@@ -92,7 +98,7 @@ def worker(variant, size, lm_head, learned, dtype, device, repeats):
     return {
         "peak_mib": peak,
         "seconds": min(times[1:] or times),
-        "logp": logp.double().tolist(),
+        "logp": logp.double().flatten().tolist(),
         "grad_norms": grad_norms,
     }
 
@@ -106,7 +112,8 @@ def floor_mib(size: str, lm_head: str, dtype: str) -> float:
 def run_variant(variant: str, size: str, lm_head: str, args) -> dict:
     argv = [sys.executable, __file__, "--worker", variant, "--sizes", size, "--lm-head", lm_head]
     argv += ["--learned", str(args.learned), "--dtype", args.dtype, "--device", args.device]
-    argv += ["--repeats", str(args.repeats)]
+    argv += ["--repeats", str(args.repeats), "--temperature", str(args.temperature)]
+    argv += ["--per-token"] if args.per_token else []
     done = subprocess.run(argv, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{variant} at {size} ({lm_head}) failed:\n{done.stderr}")
@@ -124,19 +131,23 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=1, help="timed passes after the warm-up pass")
+    parser.add_argument("--per-token", action="store_true", help="GRPO's per-token log-probs")
+    parser.add_argument("--temperature", type=float, default=1.0, help="divides the logits")
     parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.worker:
         result = worker(
-            args.worker, args.sizes[0], args.lm_head, args.learned, args.dtype, args.device, args.repeats
-        )
+            args.worker, args.sizes[0], args.lm_head, args.learned, args.dtype, args.device, args.repeats,
+            args.per_token, args.temperature,
+        )  # fmt: skip
         print(json.dumps(result))
         return
 
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     lm_heads = LM_HEADS if args.lm_head == "both" else (args.lm_head,)
     print(
+        f"{'per-token' if args.per_token else 'per-sequence'} log-probs (temperature {args.temperature}): "
         f"device={args.device} dtype={args.dtype} learned={args.learned} repeats={args.repeats} "
         f"(time: best of repeats after a warm-up); load average {os.getloadavg()[0]:.1f}"
     )

@@ -139,6 +139,22 @@ def fsdp1_shard_sizes(unit) -> tuple[int, int] | None:
     return flat.numel(), flat._unpadded_unsharded_size.numel()
 
 
+def fsdp1_reshard_all(model) -> None:
+    """Every FSDP-1 unit back to its shard. A forward leaves the root unit gathered (FSDP-1 keeps it
+    for the backward that usually follows), so writes into the shards would not be seen by the next
+    forward; resharded, the next forward gathers them afresh."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp._runtime_utils import _reshard
+
+    for unit in FSDP.fsdp_modules(model):
+        handle = unit._handle
+        initialized = handle is not None and hasattr(
+            handle.flat_param, "_full_param_padded"
+        )  # lazily, at a forward
+        if initialized and handle.uses_sharded_strategy and not handle.needs_unshard():
+            _reshard(unit, handle, True)
+
+
 def clean_parameter_name(name: str) -> str:
     """A parameter name without the wrapper modules FSDP and checkpointing insert."""
     return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")

@@ -253,10 +253,6 @@ def test_the_recipe_refuses_what_grpo_cannot_do(tmp_path, tiny_model_dir):
         ({"rl": {"rewards": []}}, "rl.rewards"),
         ({"rl": {"rewards": [{"function": "nocolon"}]}}, "write file.py:function"),
         ({"rl": {"max_new_tokens": 64, "rewards": [{"function": "m:f"}]}}, "leaves no room for the prompt"),
-        (
-            {"adapter": {"type": "none"}, "rl": {"beta": 0.1, "rewards": [{"function": "m:f"}]}},
-            "frozen reference",
-        ),
         ({"rl": {"loss": "ppo", "rewards": [{"function": "m:f"}]}}, "rl.loss"),
     ]
     for over, message in cases:
@@ -265,3 +261,32 @@ def test_the_recipe_refuses_what_grpo_cannot_do(tmp_path, tiny_model_dir):
             data.pop("rl")
         with pytest.raises(UserError, match=message):
             validate_recipe(data, tmp_path)
+
+
+def test_full_fine_tuning_swaps_the_starting_weights_in_for_the_reference(tiny_model_dir):
+    """beta > 0 without an adapter: the reference pass computes with the weights the run started from
+    (kept before any step), and the trained weights are back, bit for bit, after it."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    start = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    objective = Grpo(rl(beta=0.1, max_new_tokens=8), [], 0, adapter=False)
+    stored = lambda m: [p for p in m.parameters() if p.requires_grad]  # noqa: E731 - one process
+    objective.keep_reference(model, stored)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))  # "training"
+    trained = {k: v.clone() for k, v in model.state_dict().items()}
+    batch = Grpo(rl(beta=0.1, max_new_tokens=8), [], 0, True).twin_batch(model.config.vocab_size, 0)
+    with torch.no_grad():
+        want = token_logprobs(start, batch, 1.0)[0]
+        with objective._reference_weights(model):
+            got = token_logprobs(model, batch, 1.0)[0]
+        moved = token_logprobs(model, batch, 1.0)[0]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert (moved - want).abs().max() > 1e-3  # the trained weights compute something else
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, trained[name]), name
+    with_adapter = Grpo(rl(beta=0.1, max_new_tokens=8), [], 0, adapter=True)
+    with_adapter.keep_reference(model, stored)
+    assert with_adapter._reference is None  # an adapter's reference is the adapter switched off: no copy

@@ -1,7 +1,9 @@
 """GRPO with 2 real processes on gloo trains what 1 process trains, under DDP, FSDP-1, FSDP-2 and ZeRO-3:
 the same completions (sampling keyed by step, prompt row and completion, not by process), the same
-rewards and losses per step, and the same adapter. The 1-process run takes the same global batch
-(2 prompts x 2 micro-batches x 2 processes = 2 x 4 x 1), each prompt with its 4 completions."""
+rewards and losses per step, and the same adapter (or, with full fine-tuning, the same weights: the
+KL term's reference is then each rank's stored share of the starting weights, swapped in). The 1-process
+run takes the same global batch (2 prompts x 2 micro-batches x 2 processes = 2 x 4 x 1), each prompt
+with its 4 completions."""
 
 from __future__ import annotations
 
@@ -44,11 +46,11 @@ def assets(tmp_path_factory) -> dict:
     return {"root": root, "model": model_dir, "init": root / "init", "prompts": prompts}
 
 
-def recipe(assets: dict, out: Path, backend: str = "none", **distributed) -> Path:
+def recipe(assets: dict, out: Path, backend: str = "none", tuning: str = "lora", **distributed) -> Path:
     world = 1 if backend == "none" else 2
     data = {
         "model": {"path": str(assets["model"])},
-        "adapter": {"type": "lora", "init": str(assets["init"])},
+        "adapter": {"type": "lora", "init": str(assets["init"])} if tuning == "lora" else {"type": "none"},
         "data": {"train": str(assets["prompts"]), "format": "prompt", "max_seq_len": 40},
         "training": {"objective": "grpo", "max_steps": 2, "micro_batch_size": 2, "grad_accum": 4 // world,
                      "lr": 5.0e-3, "scheduler": "constant", "seed": 3},
@@ -72,21 +74,30 @@ def rollouts(out: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def reference(assets) -> Path:
-    out = assets["root"] / "ref"
-    run_driver({"cases": [{"recipe": str(recipe(assets, out))}]}, assets["root"], nproc=1)
-    return out
+def one_process(assets) -> dict[str, Path]:
+    """The 1-process runs, LoRA and full fine-tuning, that every 2-process run must reproduce."""
+    outs = {tuning: assets["root"] / f"ref-{tuning}" for tuning in ("lora", "full")}
+    cases = [{"recipe": str(recipe(assets, out, tuning=tuning))} for tuning, out in outs.items()]
+    run_driver({"cases": cases}, assets["root"], nproc=1, timeout=400)
+    return outs
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(500)
 @pytest.mark.parametrize("backend", list(BACKENDS))
-def test_two_processes_train_the_one_process_grpo_run(backend, assets, reference, tmp_path) -> None:
+def test_two_processes_train_the_one_process_grpo_run(backend, assets, one_process, tmp_path) -> None:
     if backend == "deepspeed":
         pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (scripts/setup.sh installs it)")
-    out = tmp_path / "run"
-    run_driver(
-        {"cases": [{"recipe": str(recipe(assets, out, backend, **BACKENDS[backend]))}]}, tmp_path, nproc=2
-    )
+    outs = {tuning: tmp_path / tuning for tuning in one_process}
+    cases = [
+        {"recipe": str(recipe(assets, out, backend, tuning, **BACKENDS[backend]))}
+        for tuning, out in outs.items()
+    ]
+    run_driver({"cases": cases}, tmp_path, nproc=2, timeout=480)
+    for tuning, out in outs.items():
+        same_run(out, one_process[tuning], "adapter_model" if tuning == "lora" else "model")
+
+
+def same_run(out: Path, reference: Path, weights: str) -> None:
     got, want = rollouts(out), rollouts(reference)
     assert len(got) == len(want) == 2 * 8 * 4
     key = lambda r: (r["step"], json.dumps(r["prompt"]), r["completion_ids"])  # noqa: E731 - order within a step
@@ -98,7 +109,7 @@ def test_two_processes_train_the_one_process_grpo_run(backend, assets, reference
         for name in ("loss", "reward", "kl", "clip_fraction", "sampler/abs_logp_diff"):
             assert mine[name] == pytest.approx(theirs[name], abs=1e-5), name
     assert all(m["reward_std"] > 0 for m in steps(out))  # the test has something to learn from
-    got_w, want_w = (load_file(p / "final" / "adapter_model.safetensors") for p in (out, reference))
+    got_w, want_w = (load_file(p / "final" / f"{weights}.safetensors") for p in (out, reference))
     assert got_w.keys() == want_w.keys() and got_w
     for name in want_w:
         torch.testing.assert_close(got_w[name], want_w[name], atol=2e-5, rtol=1e-4, msg=name)

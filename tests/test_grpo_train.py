@@ -211,3 +211,73 @@ def test_num_iterations_reuses_each_batch_of_completions(setup, tmp_path: Path) 
     assert [m["step"] for m in steps] == [1, 2, 3, 4]
     assert steps[0]["clip_fraction"] == 0  # the first update on a batch is on-policy: nothing clipped
     assert steps[1]["reward"] == steps[0]["reward"] and steps[3]["reward"] == steps[2]["reward"]
+
+
+def test_full_fine_tuning_with_a_kl_term_resumes_exactly(setup, tmp_path: Path) -> None:
+    """beta > 0 without an adapter: the reference is the starting weights (kl 0 on the first, on-policy
+    step, then above 0), counted in the memory plan; a run stopped and resumed keeps the starting weights
+    as its reference (not the checkpoint's) and ends with the uninterrupted run's weights."""
+    (tmp_path / "spread.py").write_text(  # the base model never answers exactly: a reward with spread
+        "def spread(completion_ids, **kwargs):\n    return [sum(i % 7 for i in ids) / 20 for ids in completion_ids]\n"
+    )
+
+    def full(out: Path, **over) -> Path:
+        path = grpo_recipe(setup, out, rl__beta=0.1, training__eval_every=None, training__lr=1.0e-3,
+                           rl__rewards=[{"function": "spread.py:spread"}], **over)  # fmt: skip
+        recipe = yaml.safe_load(path.read_text())
+        recipe["adapter"] = {"type": "none"}
+        path.write_text(yaml.safe_dump(recipe))
+        return path
+
+    dry = liger("train", str(full(tmp_path / "dry")), "--dry-run")
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    assert "reference copy" in dry.stdout and "the starting weights, for the KL term" in dry.stdout
+
+    whole = tmp_path / "whole"
+    proc = liger("train", str(full(whole)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = [m for m in metrics(whole) if "loss" in m]
+    assert steps[0]["kl"] == 0 and all(m["kl"] > 0 for m in steps[1:]), [m["kl"] for m in steps]
+
+    stopped = tmp_path / "stopped"
+    proc = liger("train", str(full(stopped, training__max_steps=2)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = liger(
+        "train", str(full(stopped)), "--set", "output.resume=auto", "--set", "output.overwrite=false"
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [m["kl"] for m in metrics(stopped) if "loss" in m][-1] == pytest.approx(steps[-1]["kl"], rel=1e-5)
+    got, want = (load_file(p / "final" / "model.safetensors") for p in (stopped, whole))
+    assert got.keys() == want.keys() and got
+    for key in want:
+        assert (got[key] - want[key]).abs().max() < 1e-6, key
+
+
+def test_a_resume_between_iterations_reuses_the_same_completions(setup, tmp_path: Path) -> None:
+    """num_iterations 2, stopped after step 3 (half-way through the second batch's updates): the
+    checkpoint holds that batch of completions with its old log-probs, so the resumed step 4 trains on
+    them, logs what the uninterrupted run logged, and ends with the same adapter."""
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    over = {
+        "training__max_steps": 4,
+        "training__eval_every": None,
+        "rl__num_iterations": 2,
+        "output__save_every": 1,
+    }
+    proc = liger("train", str(grpo_recipe(setup, whole, **over)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = liger("train", str(grpo_recipe(setup, stopped, **{**over, "training__max_steps": 3})))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (stopped / "checkpoints" / "step-3" / "objective_state_0.safetensors").is_file()
+    proc = liger("train", str(grpo_recipe(setup, stopped, **over)), "--set", "output.resume=auto",
+                 "--set", "output.overwrite=false")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rollouts = [json.loads(line) for line in (stopped / "rollouts.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rollouts] == [1] * 16 + [3] * 16  # step 4 sampled nothing new
+    got, want = ([m for m in metrics(p) if "loss" in m] for p in (stopped, whole))
+    assert got[-1]["step"] == want[-1]["step"] == 4
+    for name in ("loss", "clip_fraction", "reward", "completion_length"):
+        assert got[-1][name] == pytest.approx(want[-1][name], rel=1e-5, abs=1e-7), name
+    got_w, want_w = (load_file(p / "final" / "adapter_model.safetensors") for p in (stopped, whole))
+    for key in want_w:
+        assert (got_w[key] - want_w[key]).abs().max() < 1e-6, key

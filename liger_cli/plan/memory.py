@@ -70,7 +70,8 @@ class Settings:
     rows_per_example: int = 1
     """Sequences per example: 2 for a preference pair (chosen and rejected go through one forward)."""
     reference: str | None = None
-    """DPO's reference: "pass" (the adapter disabled, under no_grad) or "table" (precomputed)."""
+    """DPO's reference: "pass" (the adapter disabled, under no_grad) or "table" (precomputed); GRPO's
+    with full fine-tuning and beta > 0: "copy" (the starting weights as each rank stores them)."""
     kv_cache_bytes: int = 0
     """GRPO: the KV cache of sampling one micro-batch's completions (freed before its forward)."""
 
@@ -194,6 +195,9 @@ def estimate(facts: Facts, s: Settings) -> tuple[dict[str, int], dict[str, str]]
     )
     parts["optimizer"] = share(2 * facts.trainable_bytes, "optimizer")
     notes["optimizer"] = "AdamW: two moments of the trainable parameters"
+    if s.reference == "copy":  # swapped in for the reference pass: stored (sharded) like the parameters
+        parts["reference copy"] = share(facts.trainable_bytes, "parameters")
+        notes["reference copy"] = "the starting weights, for the KL term (rl.beta > 0, full fine-tuning)"
     mode = "every layer checkpointed" if s.checkpointing else "no checkpointing"
     rows = s.micro_batch * s.rows_per_example
     reference = {
@@ -257,9 +261,18 @@ def settings_of(recipe: Recipe, plan: Plan) -> Settings:
         rows_per_example={"sft": 1, "grpo": recipe.rl.num_generations if recipe.rl else 1}.get(
             t.objective, 2
         ),
-        reference=("pass" if recipe.adapter.type != "none" else "table") if t.objective == "dpo" else None,
+        reference=_reference(recipe),
         kv_cache_bytes=kv_cache_bytes(recipe) if t.objective == "grpo" else 0,
     )
+
+
+def _reference(recipe: Recipe) -> str | None:
+    full = recipe.adapter.type == "none"
+    if recipe.training.objective == "dpo":
+        return "table" if full else "pass"
+    if recipe.training.objective == "grpo" and recipe.rl is not None and recipe.rl.beta > 0:
+        return "copy" if full else "pass"
+    return None
 
 
 def kv_cache_bytes(recipe: Recipe) -> int:

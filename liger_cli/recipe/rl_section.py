@@ -82,11 +82,6 @@ def check_rl(recipe) -> None:
         )
     if "preference" in recipe.model_fields_set:
         raise ValueError("the preference section applies to dpo, simpo and orpo; remove it")
-    if recipe.rl.beta > 0 and recipe.adapter.type == "none":
-        raise ValueError(
-            "rl.beta > 0 with full fine-tuning needs a frozen reference copy, which liger does not build "
-            "yet: train through an adapter (its reference is the adapter switched off), or set rl.beta: 0"
-        )
     if recipe.data.packing or recipe.data.streaming:
         raise ValueError("data.packing and data.streaming do not apply to prompts; set them to false")
     if recipe.training.eval_samples:

@@ -12,10 +12,13 @@ import os
 import shutil
 from pathlib import Path
 
+from safetensors.torch import load_file, save_file
+
 from liger_cli.run.fingerprint import write_fingerprint
 from liger_cli.run.plain_state import load_rng, load_scheduler, save_rng, save_scheduler
 
 STATE_FILE = "trainer_state.json"
+OBJECTIVE_FILE = "objective_state_{rank}.safetensors"
 
 
 def checkpoints_dir(out: Path) -> Path:
@@ -35,10 +38,13 @@ def read_state(checkpoint: Path) -> dict:
     return json.loads((checkpoint / STATE_FILE).read_text())
 
 
-def save_checkpoint(accelerator, out: Path, step: int, state: dict, found: dict, scheduler) -> Path:
+def save_checkpoint(
+    accelerator, out: Path, step: int, state: dict, found: dict, scheduler, objective_state=None
+) -> Path:
     """accelerate's save_state (weights, optimizer) into a temporary folder, the scheduler and every
     process's RNG state in plain formats (`plain_state.py`), what the run depends on (`found`, see
-    fingerprint.py), the trainer state last, then an atomic rename."""
+    fingerprint.py), this process's part of the objective's state if it has one (GRPO: the batch of
+    completions the next steps reuse), the trainer state last, then an atomic rename."""
     root = checkpoints_dir(out)
     final = root / f"step-{step}"
     tmp = root / f".tmp-step-{step}"
@@ -48,6 +54,10 @@ def save_checkpoint(accelerator, out: Path, step: int, state: dict, found: dict,
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp), safe_serialization=True)
     save_rng(tmp, accelerator.process_index)
+    if objective_state is not None:
+        tensors, meta = objective_state
+        save_file(tensors, str(tmp / OBJECTIVE_FILE.format(rank=accelerator.process_index)),
+                  metadata={"state": json.dumps(meta)})  # fmt: skip
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         save_scheduler(tmp, scheduler)
@@ -67,6 +77,18 @@ def load_plain_state(checkpoint: Path, scheduler, rank: int) -> int:
     load_scheduler(checkpoint, scheduler)
     load_rng(checkpoint, rank)
     return read_state(checkpoint)["step"]
+
+
+def load_objective_state(checkpoint: Path, rank: int) -> tuple[dict, dict] | None:
+    """This process's part of the objective's state (tensors, metadata), if the checkpoint holds one."""
+    path = checkpoint / OBJECTIVE_FILE.format(rank=rank)
+    if not path.is_file():
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        meta = json.loads((f.metadata() or {}).get("state", "{}"))
+    return load_file(str(path)), meta
 
 
 def remove_stale_temporaries(out: Path) -> None:

@@ -97,6 +97,9 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
     describe(model, data, say)
     trainer = prepare(recipe, backend, model, data, say, run_fingerprint, memory, objective)
     trainer.objective.prepare(precompute_for(trainer, output.resume_from))  # before any weight changes
+    if getattr(objective, "online", False):
+        # grpo's starting weights, before a resume loads trained ones
+        objective.keep_reference(trainer.model, backend.stored_trainable)
     if output.resume_from is not None:
         resume(trainer, output.resume_from)
     last = fit(trainer)
@@ -198,6 +201,8 @@ def resume(trainer: Trainer, checkpoint_dir: Path) -> None:
         ) from None
     rank = trainer.backend.accelerator.process_index
     trainer.step = checkpoint.load_plain_state(checkpoint_dir, trainer.scheduler, rank)
+    if (state := checkpoint.load_objective_state(checkpoint_dir, rank)) is not None:
+        trainer.objective.restore(*state)  # grpo: the completions that the next steps reuse
     if isinstance(trainer.data.batches, StreamBatches):  # the stream continues where the step left it
         position = checkpoint.read_state(checkpoint_dir).get("stream")
         if position is None:
@@ -324,7 +329,8 @@ def fit(trainer: Trainer) -> dict[str, float]:
         if (every and step % every == 0) or step == data.total_steps:  # the last step too: a run can continue
             state = {"step": step, "total_steps": data.total_steps, **data.position()}
             found, scheduler = trainer.fingerprint, trainer.scheduler
-            saved = checkpoint.save_checkpoint(accelerator, out, step, state, found, scheduler)
+            kept = objective.checkpoint_state() if online else None
+            saved = checkpoint.save_checkpoint(accelerator, out, step, state, found, scheduler, kept)
             log(f"checkpoint saved: {saved}")
     progress.close()
     if isinstance(data.batches, StreamBatches):

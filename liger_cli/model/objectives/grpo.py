@@ -7,8 +7,14 @@ group's statistics are local), through `sample`, the run's way of calling the ge
 model as its backend wraps it. Sampling is keyed by (seed, step, prompt row, completion), so the
 completions do not depend on how prompts are spread over processes. At the same time it takes, with
 no gradient, the trainer's log-probs of the sampled tokens at the sampling temperature (`old`: the
-weights that sampled) and, with beta > 0, the reference's (the adapter switched off), and compares
-the trainer's with the sampler's: the mismatch figures are logged every step, before any cap.
+weights that sampled) and, with beta > 0, the reference's, and compares the trainer's with the
+sampler's: the mismatch figures are logged every step, before any cap.
+
+The reference is the model before training. With an adapter it is the adapter switched off (no copy).
+With full fine-tuning it is a copy of the starting weights as this process stores them (its shard
+under FSDP and ZeRO-3: 1/world of the trainable weights), taken before a resume loads trained ones,
+and swapped into the model for the reference pass: the same forward, kernels and sharding as the
+policy's, no second wrapped model.
 
 `loss` takes each completion token's log-prob at the same temperature through the model's own
 forward (fused with our kernel patched in: never the [tokens, vocab] logits), then sums the per-token
@@ -18,6 +24,7 @@ for dapo), like every objective, so micro-batches and processes add up to one ba
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -50,6 +57,9 @@ class Grpo:
         self._cached: tuple[int, list] | None = None
         self._iteration = 0
         """Which of its num_iterations optimizer steps the current batch of completions serves."""
+        self._reference: list[torch.Tensor] | None = None
+        """Full fine-tuning with beta > 0: the starting weights as this process stores them."""
+        self._stored = None
 
     # --- what the loop asks -------------------------------------------------------------------------
 
@@ -116,6 +126,31 @@ class Grpo:
 
     def prepare(self, precompute) -> None:
         return None
+
+    def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict] | None:
+        """This process's batch of completions and its figures, which the remaining num_iterations
+        steps reuse: a run resumed between them trains on the same completions (tensors, metadata)."""
+        if self._cached is None:
+            return None
+        data_step, micro = self._cached
+        tensors = {f"{i}/{name}": t.contiguous() for i, b in enumerate(micro) for name, t in b.items()}
+        return tensors, {"data_step": data_step, "micro_batches": len(micro), "step_stats": self.step_stats}
+
+    def restore(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        micro: list[dict] = [{} for _ in range(meta["micro_batches"])]
+        for key, value in tensors.items():
+            i, _, name = key.partition("/")
+            micro[int(i)][name] = value
+        self._cached, self.step_stats = (meta["data_step"], micro), meta["step_stats"]
+
+    def keep_reference(self, model: nn.Module, stored) -> None:
+        """Called once on the prepared model before any weight changes (and before a resume loads
+        trained ones): full fine-tuning with beta > 0 keeps a copy of this process's stored trainable
+        weights. `stored(model)` is the backend's way to reach them (`Backend.stored_trainable`)."""
+        if self.rl.beta > 0 and not self.adapter:
+            self._stored = stored
+            with torch.no_grad():
+                self._reference = [t.detach().clone() for t in stored(model)]
 
     def twin_batch(self, vocab: int, pad_id: int, rows: int = 4, seed: int = 0) -> dict[str, torch.Tensor]:
         """Rollout rows as `rollout` makes them, with random ids below `vocab` (prompts and completions of
@@ -205,8 +240,28 @@ class Grpo:
             model.eval()
             batch["old_logp"] = token_logprobs(model, on_device, self.rl.temperature)[0].cpu()
             if self.rl.beta > 0:
-                with reference_mode(model):
+                with self._reference_weights(model):
                     batch["ref_logp"] = token_logprobs(model, on_device, self.rl.temperature)[0].cpu()
+
+    @contextlib.contextmanager
+    def _reference_weights(self, model: nn.Module):
+        """The model computing as the reference: the adapter switched off, or the starting weights
+        swapped in (and the trained ones back after, bit for bit)."""
+        if self.adapter:
+            with reference_mode(model):
+                yield
+            return
+        if self._reference is None:
+            raise RuntimeError("grpo with beta > 0 and full fine-tuning: keep_reference was not called")
+        with torch.no_grad():
+            stored = self._stored(model)
+        swap_in_place(stored, self._reference)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                stored = self._stored(model)  # resharded again: the next forward gathers the trained ones
+            swap_in_place(stored, self._reference)
 
     def _stats(self, micro: list[dict], rows: list[dict], reduce) -> dict[str, float]:
         """The step's rollout metrics over every completion of every process."""
@@ -286,6 +341,16 @@ def token_logprobs(model: nn.Module, batch: dict, temperature: float) -> tuple[t
             "per-token log-probabilities untouched"
         )
     return stacked[0], stacked[1] > 0
+
+
+@torch.no_grad()
+def swap_in_place(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    """Exchange the values of each pair in place (the storage stays where the backend put it; one
+    tensor's worth of scratch at a time)."""
+    for x, y in zip(a, b, strict=True):
+        scratch = x.detach().clone()
+        x.copy_(y)
+        y.copy_(scratch)
 
 
 def _shifted(labels: torch.Tensor) -> torch.Tensor:

@@ -164,6 +164,12 @@ class Backend:
 
     # --- state --------------------------------------------------------------------------------------
 
+    def stored_trainable(self, model: nn.Module) -> list[torch.Tensor]:
+        """The tensors this process stores for the trainable parameters, with every sharded unit back
+        to its shard (a forward may leave one gathered): writing into them (GRPO's reference swap) is
+        what the next forward computes with. Call under no_grad."""
+        return [p for p in model.parameters() if p.requires_grad]
+
     def full_state_dict(self, model: nn.Module) -> dict:
         """The whole model's state dict on rank 0 (gathered from every rank: call it on all of them)."""
         return self.drop_tied_duplicates(model, self.accelerator.get_state_dict(model))

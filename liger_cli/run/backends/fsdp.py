@@ -138,6 +138,12 @@ class Fsdp1(_Fsdp):
                 for wrapper in wrappers:
                     del wrapper.forward
 
+    def stored_trainable(self, model: nn.Module) -> list:
+        """Each parameter's view of its unit's local shard (use_orig_params), every unit resharded."""
+        if self.active:
+            process_state.fsdp1_reshard_all(model)
+        return super().stored_trainable(model)
+
     def full_state_dict(self, model: nn.Module) -> dict:
         """accelerate's FSDP-1 path offloads to the CPU while gathering, which crashes when the
         parameters already live on the CPU (see docs/fsdp-facts.md#saving-and-resuming): there we
@@ -200,6 +206,15 @@ class Fsdp2(_Fsdp):
             for unit, before in zip(units, after_forward, strict=True):
                 process_state.restore_fsdp2_reshard_after_forward(unit, before)
                 unit.reshard()
+
+    def stored_trainable(self, model: nn.Module) -> list:
+        """Each DTensor parameter's local tensor (the shard's storage), every unit resharded."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for unit in model.modules():
+            if isinstance(unit, FSDPModule):
+                unit.reshard()
+        return [p.to_local() if hasattr(p, "to_local") else p for p in super().stored_trainable(model)]
 
     def gather_for_fused_loss(self, model: nn.Module) -> str | None:
         """accelerate's FSDP-2 path gathers lm_head's unit in the final norm's forward, but does not

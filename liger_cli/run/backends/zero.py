@@ -138,6 +138,10 @@ class DeepSpeed(Backend):
 
         yield backward
 
+    def stored_trainable(self, model: nn.Module) -> list:
+        """ZeRO-3: each parameter's partition (gathered copies are released after each module's use)."""
+        return [getattr(p, "ds_tensor", p) for p in super().stored_trainable(model)]
+
     def load_state(self, model: nn.Module, optimizer, checkpoint_dir: Path) -> None:
         if not self.active:
             return super().load_state(model, optimizer, checkpoint_dir)
