@@ -225,7 +225,13 @@ def errors_page() -> str:
     for site in sites:
         if site["module"] != module:
             module = site["module"]
-            out += ["", f"## `{module}`", "", "| exit | raised in | message | fix |", "|---|---|---|---|"]
+            out += [
+                "",
+                f"## `{module}`",
+                "",
+                "| exit | raised in | message | fix (its last clause) |",
+                "|---|---|---|---|",
+            ]
         if site["message"] is not None:
             text = " ".join(site["message"].split())
             message, fix = _code(_cell(text)), _cell(_fix(text))
