@@ -56,9 +56,10 @@ def _section_table(section, dotted: str, later: list) -> list[str]:
             if key.allowed is None
             else "one of " + ", ".join(f"`{a}`" for a in key.allowed)
         )
+        said = key.description or (describe.section_doc(key.section) if key.section is not None else "")
         if key.allowed is not None and "null" in key.type:
             kind += ", `null`"
-        lines.append(f"| `{name}` | {kind} | {default} | {_cell(key.limits)} | {_cell(key.description)} |")
+        lines.append(f"| `{name}` | {kind} | {default} | {_cell(key.limits)} | {_cell(said)} |")
     return lines
 
 
