@@ -142,6 +142,15 @@ def _template(node: ast.expr, source: str) -> str | None:
     return None
 
 
+def _raises(node: ast.AST, function: str):
+    """Every `raise` under `node`, with the name of the innermost function holding it."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.Raise):
+            yield child, function
+        inner = child.name if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef) else function
+        yield from _raises(child, inner)
+
+
 def raise_sites(modules=None) -> list[dict]:
     """Every raise of a user-facing error, in file order: module, function, class, exit code, message."""
     modules = modules if modules is not None else _modules()
@@ -150,51 +159,38 @@ def raise_sites(modules=None) -> list[dict]:
     for rel, tree in modules:
         source = (REPO / rel).read_text()
         in_recipe = rel.startswith("liger_cli/recipe/")
-        for function in [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]:
-            for node in ast.walk(function):
-                if not (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)):
-                    continue
-                name = getattr(node.exc.func, "id", None)
-                if name in codes:
-                    code = codes[name]
-                elif name == "ValueError" and in_recipe:
-                    code = 2  # a validator's ValueError is a recipe error: load.py prints it, exit 2
-                else:
-                    continue
-                if _owner(tree, node) is not function:
-                    continue  # counted once, in the innermost function
-                arg = node.exc.args[0] if node.exc.args else None
-                message = _template(arg, source) if arg is not None else None
-                built = ast.get_source_segment(source, arg) if arg is not None and message is None else None
-                sites.append(
-                    {
-                        "module": rel,
-                        "function": function.name,
-                        "line": node.lineno,
-                        "error": name,
-                        "exit": code,
-                        "message": message,
-                        "built": built,
-                    }
-                )
+        for node, function in _raises(tree, "(module)"):
+            if not isinstance(node.exc, ast.Call):
+                continue  # a re-raise: its message was catalogued where it was made
+            name = getattr(node.exc.func, "id", None)
+            if name in codes:
+                code = codes[name]
+            elif name == "ValueError" and in_recipe:
+                code = 2  # a validator's ValueError is a recipe error: load.py prints it, exit 2
+            else:
+                continue
+            arg = node.exc.args[0] if node.exc.args else None
+            message = _template(arg, source) if arg is not None else None
+            built = (
+                None
+                if message is not None
+                else ast.get_source_segment(source, arg)
+                if arg
+                else "(no message)"
+            )
+            sites.append(
+                {
+                    "module": rel,
+                    "function": function,
+                    "line": node.lineno,
+                    "error": name,
+                    "exit": code,
+                    "message": message,
+                    "built": built,
+                }
+            )
     sites.sort(key=lambda s: (s["module"], s["line"]))
     return sites
-
-
-def _owner(tree: ast.Module, target: ast.AST):
-    """The innermost function holding `target`."""
-    owner = None
-
-    def visit(node, current):
-        nonlocal owner
-        if node is target:
-            owner = current
-            return
-        for child in ast.iter_child_nodes(node):
-            visit(child, node if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) else current)
-
-    visit(tree, None)
-    return owner
 
 
 def _fix(message: str) -> str:
