@@ -34,23 +34,23 @@ def _data(tmp_path: Path, objective: str) -> Path:
 
 
 @pytest.mark.parametrize(
-    ("objective", "quantize", "data_format"),
+    ("objective", "quantize", "backend", "data_format"),
     [
-        ("sft", "none", "instruction"),
-        ("dpo", "none", "preference"),
-        ("grpo", "none", "prompt"),
-        ("sft", "nf4", "instruction"),
+        ("sft", "none", "none", "instruction"),
+        ("dpo", "none", "none", "preference"),
+        ("grpo", "none", "none", "prompt"),
+        ("sft", "nf4", "fsdp2", "instruction"),
     ],
 )
 def test_init_writes_a_commented_recipe_that_dry_run_accepts(
-    tiny_model_dir: Path, tmp_path: Path, objective: str, quantize: str, data_format: str
+    tiny_model_dir: Path, tmp_path: Path, objective: str, quantize: str, backend: str, data_format: str
 ) -> None:
     recipe = tmp_path / "recipes" / "starter.yaml"
     recipe.parent.mkdir()
     data = _data(recipe.parent, objective)
     result = _invoke(
         "init", str(recipe), "--model", str(tiny_model_dir), "--data", str(data), "--objective", objective,
-        "--quantize", quantize,
+        "--quantize", quantize, "--backend", backend,
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     text = recipe.read_text()
@@ -59,6 +59,8 @@ def test_init_writes_a_commented_recipe_that_dry_run_accepts(
     assert written["data"]["train"] == data.name  # relative to the recipe's folder
     assert written["data"]["format"] == data_format
     assert written["model"]["quantize"] == quantize
+    assert written["distributed"]["backend"] == backend
+    assert ("quantize_double" in written["model"]) == (quantize != "none")  # else refused, so commented out
     assert ("rl" in written) == (objective == "grpo")
     assert ("preference" in written) == (objective == "dpo")
     if objective == "grpo":
