@@ -46,6 +46,16 @@ def _user_errors(command):
     return wrapper
 
 
+def command(page: str, name: str | None = None):
+    """A `liger` command: user errors as one line (exit 2), and its --help ends with the page explaining it."""
+
+    def register(function):
+        return app.command(name, epilog=f"Docs: docs/{page}")(_user_errors(function))
+
+    return register
+
+
+RecipeArgument = Annotated[Path, typer.Argument(help="The YAML recipe.")]
 SetOption = Annotated[
     list[str] | None,
     typer.Option("--set", help="Override a recipe key, e.g. --set training.lr=1e-4 (repeatable)."),
@@ -65,10 +75,31 @@ def _device_memory(text: str | None) -> int | None:
     return parse_device_memory(text) if text is not None else detected_device_memory()
 
 
-@app.command()
-@_user_errors
+@command("recipes.md")
+def init(
+    file: Annotated[
+        Path, typer.Argument(help="Where to write the recipe; an existing file is never replaced.")
+    ],
+    model: Annotated[Path, typer.Option(help="A local Hugging Face model folder.")],
+    data: Annotated[
+        str, typer.Option(help="The training data: a file, a folder of shards or a Hub dataset name.")
+    ],
+    objective: Annotated[str, typer.Option(help="sft, dpo or grpo (also simpo, orpo).")],
+    quantize: Annotated[
+        str, typer.Option(help="nf4 or fp4: QLoRA, the base's linear layers in 4 bits.")
+    ] = "none",
+    backend: Annotated[str, typer.Option(help="none, ddp, fsdp1, fsdp2 or deepspeed.")] = "none",
+) -> None:
+    """Write a commented starter recipe, every key at its default, that `liger train` accepts as written."""
+    from liger_cli.recipe.starter import write_starter
+
+    write_starter(file, model, data, objective, quantize, backend)
+    typer.echo(f"wrote {file}: check it with `liger train {file} --dry-run`, then edit and train")
+
+
+@command("training.md")
 def train(
-    recipe: Annotated[Path, typer.Argument(help="The YAML recipe.")],
+    recipe: RecipeArgument,
     set_: SetOption = None,
     dry_run: Annotated[
         bool,
@@ -98,8 +129,7 @@ def train(
     raise typer.Exit(launch(loaded, recipe_path=recipe, overrides=set_ or [], train=run))
 
 
-@app.command()
-@_user_errors
+@command("data.md")
 def data(
     recipe: Annotated[Path, typer.Argument(help="The YAML recipe whose data section to check.")],
     set_: SetOption = None,
@@ -121,8 +151,7 @@ def data(
     raise typer.Exit(data_command(recipe, set_ or [], show=show, jsonl=jsonl))
 
 
-@app.command("inspect-wrap")
-@_user_errors
+@command("distributed.md", "inspect-wrap")
 def inspect_wrap(
     model: Annotated[
         str | None,
@@ -172,8 +201,7 @@ def inspect_wrap(
     )
 
 
-@app.command()
-@_user_errors
+@command("adapters.md")
 def merge(
     run_dir: Annotated[Path, typer.Argument(help="A finished run's output.dir (holds the final adapter).")],
     out_dir: Annotated[Path, typer.Argument(help="Where to write the merged full model.")],
@@ -196,10 +224,9 @@ def merge(
         )
 
 
-@app.command()
-@_user_errors
+@command("bench.md")
 def bench(
-    recipe: Annotated[Path, typer.Argument(help="The YAML recipe to measure.")],
+    recipe: RecipeArgument,
     steps: Annotated[int, typer.Option(help="Optimizer steps measured per run.")] = 10,
     warmup: Annotated[int, typer.Option(help="Steps run before measuring (not counted).")] = 2,
     out: Annotated[
@@ -246,8 +273,7 @@ def _sampling(max_new_tokens: int, temperature: float, top_p: float, top_k: int,
         raise UserError(f"--{str(err).replace('_', '-')}") from None
 
 
-@app.command("generate")
-@_user_errors
+@command("generation.md", "generate")
 def generate_(
     run_or_model: RunOrModel,
     prompts: Annotated[
@@ -274,8 +300,7 @@ def generate_(
     raise typer.Exit(generate_command(run_or_model, prompts, out, adapter, options, echo=typer.echo))
 
 
-@app.command()
-@_user_errors
+@command("generation.md")
 def chat(
     run_or_model: RunOrModel,
     adapter: AdapterOption = None,

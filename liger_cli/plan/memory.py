@@ -27,7 +27,7 @@ from liger_cli.recipe import Recipe
 MiB = 2**20
 OVERHEAD_BYTES = {"cpu": 0, "cuda": 1024 * MiB}
 """What a device needs beyond the tensors: on a GPU the CUDA context and cuBLAS workspaces (which the
-allocator's peak leaves out); on a CPU nothing measurable (README "Will it fit?": the estimate
+allocator's peak leaves out); on a CPU nothing measurable (docs/memory.md: the estimate
 without it is within 0.97-1.08x of the measured peak)."""
 EAGER_LOSS_COPIES = 3
 """Eager loss at its peak holds [tokens, vocab] fp32 three times: the logits, their log-softmax

@@ -23,4 +23,5 @@ RelPath = Annotated[Path, AfterValidator(_resolve)]
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # A field's docstring is its description: docs/recipe-reference.md and `liger init` print it.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)

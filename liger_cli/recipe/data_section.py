@@ -59,13 +59,20 @@ Sources = Annotated[DataPath | DataSource | list[DataSource], BeforeValidator(_e
 
 
 class DataSection(_Section):
+    """The data: train and eval sources, their format, and how they are encoded, cached and read."""
+
     train: Sources
     """A path or Hub name, one entry {path, weight, format, split, subset}, or a list of entries."""
     eval: Sources | None = None
+    """Evaluation data, read whole, each source once (no weights)."""
     eval_fraction: float | None = Field(None, gt=0, lt=1)
+    """Hold out this share of data.train for evaluation, split by seed (instead of data.eval)."""
     format: Literal["text", "instruction", "chat", "preference", "prompt"] = "text"
+    """How rows are read and what is learned: text, instruction, chat, preference (pairs) or prompt (grpo)."""
     max_seq_len: int = Field(1024, ge=8)
+    """Longer examples are truncated (the start is kept)."""
     packing: bool = False
+    """Pack short examples into full rows whose position_ids restart at each example."""
     learn_turns: Literal["all", "last"] = "all"
     """chat: learn every assistant turn, or only the last one (earlier turns become context)."""
     learn_reasoning: bool = True

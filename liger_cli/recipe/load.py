@@ -17,11 +17,11 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from liger_cli.errors import UserError
+from liger_cli.recipe.distributed_section import FsdpSection
 from liger_cli.recipe.schema import (
     AdapterSection,
     DataSection,
     DistributedSection,
-    FsdpSection,
     KernelsSection,
     LoggingSection,
     ModelSection,

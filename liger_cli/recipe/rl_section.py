@@ -15,9 +15,12 @@ from liger_cli.recipe.base import _resolve, _Section
 
 
 class RewardSpec(_Section):
+    """One reward function and its weight."""
+
     function: str
     """`file.py:name` (a file beside the recipe, or a path) or `package.module:name`."""
     weight: float = 1.0
+    """The function's weight in the summed reward."""
 
     @field_validator("function")
     @classmethod
@@ -34,13 +37,18 @@ class RewardSpec(_Section):
 
 
 class RLSection(_Section):
+    """Online RL (training.objective grpo): sampling, the loss variant and the reward functions."""
+
     num_generations: int = Field(8, ge=2)
     """G completions sampled per prompt (a group; its rewards are compared with each other)."""
     max_new_tokens: int = Field(256, ge=1)
+    """Most tokens sampled per completion."""
     temperature: float = Field(1.0, gt=0)
     """The sampling temperature; the trainer's log-probs are taken at the same temperature."""
     top_p: float = Field(1.0, gt=0, le=1)
+    """Sample from the smallest set of tokens holding this much probability."""
     top_k: int = Field(0, ge=0)
+    """Sample from the K most likely tokens (0: all)."""
     beta: float = Field(0.0, ge=0)
     """Weight of the KL penalty to the reference (k3 estimator); 0 runs no reference pass at all."""
     epsilon: float = Field(0.2, gt=0, lt=1)
@@ -59,6 +67,7 @@ class RLSection(_Section):
     engine: Literal["transformers"] = "transformers"
     """What samples: liger's engine on the model being trained (the only one for now)."""
     rewards: list[RewardSpec] = Field(min_length=1)
+    """The reward functions, each {function, weight}; rewards are their weighted sum."""
 
     @model_validator(mode="after")
     def _ranges(self) -> RLSection:

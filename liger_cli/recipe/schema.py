@@ -21,34 +21,25 @@ from pydantic import (
 
 from liger_cli.recipe.base import RelPath, _Section
 from liger_cli.recipe.data_section import DataSection
+from liger_cli.recipe.distributed_section import DistributedSection, split_names
 from liger_cli.recipe.rl_section import RLSection, check_rl
 
 
-def _split_names(value: Any) -> Any:
-    """`"A, B,"` and `["A", " B "]` both mean ["A", "B"]: trimmed, empties dropped, de-duplicated."""
-    if value is None:
-        return None
-    items = value.split(",") if isinstance(value, str) else value
-    if not isinstance(items, list):
-        return value  # let pydantic report the wrong type
-    names: list[str] = []
-    for item in items:
-        if isinstance(item, str) and item.strip() and item.strip() not in names:
-            names.append(item.strip())
-        elif not isinstance(item, str):
-            return value
-    return names or None
-
-
 class ModelSection(_Section):
+    """The base model: where it is, how it loads, and whether its linear layers load in 4 bits (QLoRA)."""
+
     path: RelPath | None = None
     """A local Hugging Face model folder (config.json + weights)."""
     config: RelPath | None = None
     """A config.json to build the model from scratch (random initialisation)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """The weights' dtype (and a 4-bit base's compute dtype); auto: float32, mixed precision is training.precision."""
     attn_implementation: str | None = None
+    """The attention implementation passed to transformers, e.g. sdpa or eager (default: transformers' choice)."""
     trust_remote_code: bool = False
+    """Run the model's own code from its folder (off unless you say so)."""
     tokenizer: RelPath | None = None
+    """A tokenizer folder (default: model.path; required with model.config)."""
     load_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Passed to from_pretrained untouched (see docs/field-failures.md#zero-3-loading-drops-an-argument)."""
     quantize: Literal["none", "nf4", "fp4"] = "none"
@@ -90,11 +81,18 @@ class ModelSection(_Section):
 
 
 class AdapterSection(_Section):
+    """What trains: a LoRA or DoRA adapter on the frozen base, or the whole model (type none)."""
+
     type: Literal["lora", "dora", "none"] = "lora"
+    """lora or dora adapters on a frozen base, or none: full fine-tuning."""
     r: int = Field(16, ge=1)
+    """The adapter's rank."""
     alpha: float = Field(32.0, gt=0)
+    """The adapter's scale numerator (the update is scaled by alpha / r)."""
     dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input."""
     target_modules: str | list[str] = "all-linear"
+    """The modules that get an adapter: all-linear, or a list of names such as [q_proj, v_proj]."""
     init: RelPath | None = None
     """Start from this peft adapter folder (e.g. an SFT run's final/), trainable; its own r, alpha,
     dropout and target modules apply (SFT -> DPO -> GRPO chains)."""
@@ -124,7 +122,7 @@ class AdapterSection(_Section):
     def _targets(cls, value: Any) -> Any:
         if value == "all-linear":
             return value
-        names = _split_names(value)
+        names = split_names(value)
         if not isinstance(names, list):
             raise ValueError(
                 f"got {value!r}; use all-linear or a list of module names, for example [q_proj, v_proj]"
@@ -133,11 +131,18 @@ class AdapterSection(_Section):
 
 
 class TrainingSection(_Section):
+    """The objective, the run's length, batch, optimizer, schedule, evaluation and precision."""
+
     max_steps: int | None = Field(None, ge=1)
+    """Optimizer steps to train (or set epochs; one epoch when neither is set)."""
     epochs: float | None = Field(None, gt=0)
+    """Passes over the training data (instead of max_steps)."""
     micro_batch_size: int = Field(1, ge=1)
+    """Examples (pairs, prompts) per forward on each process."""
     grad_accum: int = Field(1, ge=1)
+    """Micro-batches accumulated into one optimizer step."""
     lr: float = Field(2e-4, gt=0)
+    """AdamW's peak learning rate."""
     scheduler: Literal[
         "linear",
         "cosine",
@@ -147,14 +152,21 @@ class TrainingSection(_Section):
         "constant_with_warmup",
         "inverse_sqrt",
     ] = "cosine"
+    """The learning-rate schedule (transformers' get_scheduler names)."""
     warmup_steps: int = Field(0, ge=0)
+    """Steps of linear warm-up before the schedule."""
     weight_decay: float = Field(0.0, ge=0)
+    """AdamW's weight decay."""
     max_grad_norm: float | None = Field(1.0, ge=0)
+    """Clip the gradient's global norm to this (null: no clipping)."""
     seed: int = 42
+    """Seeds the initialisation, the data order, the mixture's draws and sampling."""
     eval_every: int | None = Field(None, ge=1)
+    """Evaluate every N steps (and always at the end)."""
     eval_samples: int = Field(0, ge=0)
     """At each evaluation, greedy completions of the first N eval prompts, written to samples.jsonl."""
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """Mixed precision; auto: bf16/fp16 on a GPU, fp32 on a CPU."""
     objective: Literal["sft", "dpo", "simpo", "orpo", "grpo"] = "sft"
     """sft: the causal-LM loss on the learned tokens; dpo, simpo, orpo: preference pairs (data.format
     preference); grpo: online RL on prompts (data.format prompt) with the rl section's rewards."""
@@ -203,11 +215,18 @@ class PreferenceSection(_Section):
 
 
 class KernelsSection(_Section):
+    """Our kernels to patch into the model; each is checked on a tiny twin of it first (check)."""
+
     rms_norm: bool = True
+    """Patch in our RMSNorm kernel."""
     rope: bool = True
+    """Patch in our rotary-embedding kernel."""
     swiglu: bool = True
+    """Patch in our SwiGLU MLP kernel."""
     cross_entropy: bool = False
+    """Our cross-entropy on the logits (mutually exclusive with fused_linear_cross_entropy)."""
     fused_linear_cross_entropy: bool = True
+    """The loss computed from lm_head's input, a block at a time: never the full logits."""
     check: bool = True
     """Before training, compare each kernel on a tiny twin of the model and switch off any that disagrees."""
 
@@ -225,66 +244,17 @@ class KernelsSection(_Section):
         return self
 
 
-class FsdpSection(_Section):
-    wrap_classes: list[str] | None = None
-    sharding: Literal["full", "shard_grad_op", "hybrid", "no_shard"] = "full"
-    cpu_offload: bool = False
-
-    _normalise = field_validator("wrap_classes", mode="before")(classmethod(lambda cls, v: _split_names(v)))
-
-
-class DistributedSection(_Section):
-    backend: Literal["none", "ddp", "fsdp1", "fsdp2", "deepspeed"] = "none"
-    num_processes: int = Field(1, ge=1)
-    num_machines: int = Field(1, ge=1)
-    machine_rank: int = Field(0, ge=0)
-    main_process_ip: str | None = None
-    main_process_port: int = Field(29500, ge=1, le=65535)
-    accelerate_config: RelPath | None = None
-    fsdp: FsdpSection = Field(default_factory=FsdpSection)
-    zero_stage: Literal[2, 3] = 3
-    activation_checkpointing: Literal["off", "auto", "reentrant", "non_reentrant"] = "off"
-
-    @field_validator("activation_checkpointing", mode="before")
-    @classmethod
-    def _unquoted_off(cls, value):
-        """YAML reads an unquoted `off` (in a recipe or a --set) as false: it means "off"."""
-        return "off" if value is False else value
-
-    @property
-    def shards_weights(self) -> bool:
-        """The backend shards every weight, frozen ones included: FSDP-1, FSDP-2 and ZeRO-3."""
-        return self.backend in ("fsdp1", "fsdp2") or (self.backend == "deepspeed" and self.zero_stage == 3)
-
-    @property
-    def flattens_units(self) -> bool:
-        """The backend flattens each unit into one tensor, so one dtype per unit: FSDP-1."""
-        return self.backend == "fsdp1"
-
-    @model_validator(mode="after")
-    def _consistent(self) -> DistributedSection:
-        if self.backend == "none" and (self.num_processes > 1 or self.num_machines > 1):
-            raise ValueError(
-                f"distributed.backend is none but {self.num_processes} process(es) on {self.num_machines} "
-                "machine(s) were asked for: set distributed.backend to ddp, fsdp1, fsdp2 or deepspeed"
-            )
-        if self.machine_rank >= self.num_machines:
-            raise ValueError(
-                f"distributed.machine_rank {self.machine_rank} must be below num_machines {self.num_machines}"
-            )
-        if self.num_machines > 1 and not self.main_process_ip:
-            raise ValueError(
-                "distributed.num_machines > 1 needs distributed.main_process_ip (the rank-0 machine)"
-            )
-        return self
-
-
 class OutputSection(_Section):
+    """Where the run writes, how often it checkpoints, and whether it resumes or replaces a previous run."""
+
     dir: RelPath = Path("runs/default")
+    """The run's output folder: final/, checkpoints/, metrics and logs."""
     save_every: int | None = Field(None, ge=1)
+    """Save a checkpoint every N steps (and always at the last step)."""
     resume: str = "never"
     """auto (latest complete checkpoint in dir), never, or a checkpoint folder."""
     overwrite: bool = False
+    """Replace a previous liger run in dir once the new run starts (otherwise a non-empty dir is an error)."""
     verify: bool = True
     """Reload the final output from disk after the save and compare it with the trained model."""
 
@@ -301,9 +271,14 @@ class OutputSection(_Section):
 
 
 class LoggingSection(_Section):
+    """Where the metrics go and how often."""
+
     every: int = Field(10, ge=1)
+    """Log the metrics every N steps."""
     tensorboard: bool = True
+    """Write TensorBoard events to OUT/tensorboard."""
     jsonl: bool = True
+    """Write the metrics to OUT/metrics.jsonl."""
 
 
 class Recipe(_Section):

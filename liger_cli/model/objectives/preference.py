@@ -15,8 +15,8 @@ full fine-tuning there is no adapter to disable: the reference is the model befo
 its log-probs computed once for every pair (`prepare`; the run computes, stores and reads them back)
 and looked up by each pair's row (`PAIR_INDEX`, carried by the batch, never passed to the model).
 The twin's checks, which run no `prepare`, take the untrained twin itself as its reference.
-SimPO and ORPO need no reference. The formulas are `liger_kernels.preference` (one line each, in the
-README); the loss is a sum over pairs divided by the step's pair count, like every objective.
+SimPO and ORPO need no reference. The formulas are `liger_kernels.preference` (one line each, in
+docs/objectives.md); the loss is a sum over pairs divided by the step's pair count, like every objective.
 """
 
 from __future__ import annotations

@@ -1,0 +1,95 @@
+"""The recipe's `distributed` section: the backend, processes and machines, FSDP's and ZeRO's options."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from liger_cli.recipe.base import RelPath, _Section
+
+
+def split_names(value: Any) -> Any:
+    """`"A, B,"` and `["A", " B "]` both mean ["A", "B"]: trimmed, empties dropped, de-duplicated."""
+    if value is None:
+        return None
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, list):
+        return value  # let pydantic report the wrong type
+    names: list[str] = []
+    for item in items:
+        if isinstance(item, str) and item.strip() and item.strip() not in names:
+            names.append(item.strip())
+        elif not isinstance(item, str):
+            return value
+    return names or None
+
+
+class FsdpSection(_Section):
+    """FSDP's options (backends fsdp1 and fsdp2)."""
+
+    wrap_classes: list[str] | None = None
+    """The module classes FSDP wraps as units (default: FSDP_TRANSFORMER_CLS_TO_WRAP, else the model's _no_split_modules)."""
+    sharding: Literal["full", "shard_grad_op", "hybrid", "no_shard"] = "full"
+    """FSDP's sharding strategy."""
+    cpu_offload: bool = False
+    """Offload FSDP's parameters to the CPU."""
+
+    _normalise = field_validator("wrap_classes", mode="before")(classmethod(lambda cls, v: split_names(v)))
+
+
+class DistributedSection(_Section):
+    """How many processes on how many machines, and the backend that shards the model across them."""
+
+    backend: Literal["none", "ddp", "fsdp1", "fsdp2", "deepspeed"] = "none"
+    """none: one process; ddp, fsdp1, fsdp2 or deepspeed (ZeRO) through accelerate."""
+    num_processes: int = Field(1, ge=1)
+    """Processes per machine."""
+    num_machines: int = Field(1, ge=1)
+    """Machines in the job; run the same command on each."""
+    machine_rank: int = Field(0, ge=0)
+    """This machine's rank (set per machine, e.g. --set distributed.machine_rank=1)."""
+    main_process_ip: str | None = None
+    """The rank-0 machine's address (multi-node)."""
+    main_process_port: int = Field(29500, ge=1, le=65535)
+    """The rank-0 machine's port."""
+    accelerate_config: RelPath | None = None
+    """An accelerate config file to use; otherwise the ambient default config is ignored."""
+    fsdp: FsdpSection = Field(default_factory=FsdpSection)
+    zero_stage: Literal[2, 3] = 3
+    """DeepSpeed's ZeRO stage (backend deepspeed)."""
+    activation_checkpointing: Literal["off", "auto", "reentrant", "non_reentrant"] = "off"
+    """Recompute activations in backward; auto picks reentrant under FSDP/DeepSpeed, non-reentrant otherwise."""
+
+    @field_validator("activation_checkpointing", mode="before")
+    @classmethod
+    def _unquoted_off(cls, value):
+        """YAML reads an unquoted `off` (in a recipe or a --set) as false: it means "off"."""
+        return "off" if value is False else value
+
+    @property
+    def shards_weights(self) -> bool:
+        """The backend shards every weight, frozen ones included: FSDP-1, FSDP-2 and ZeRO-3."""
+        return self.backend in ("fsdp1", "fsdp2") or (self.backend == "deepspeed" and self.zero_stage == 3)
+
+    @property
+    def flattens_units(self) -> bool:
+        """The backend flattens each unit into one tensor, so one dtype per unit: FSDP-1."""
+        return self.backend == "fsdp1"
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DistributedSection:
+        if self.backend == "none" and (self.num_processes > 1 or self.num_machines > 1):
+            raise ValueError(
+                f"distributed.backend is none but {self.num_processes} process(es) on {self.num_machines} "
+                "machine(s) were asked for: set distributed.backend to ddp, fsdp1, fsdp2 or deepspeed"
+            )
+        if self.machine_rank >= self.num_machines:
+            raise ValueError(
+                f"distributed.machine_rank {self.machine_rank} must be below num_machines {self.num_machines}"
+            )
+        if self.num_machines > 1 and not self.main_process_ip:
+            raise ValueError(
+                "distributed.num_machines > 1 needs distributed.main_process_ip (the rank-0 machine)"
+            )
+        return self
