@@ -22,6 +22,7 @@ from liger_cli.model.quantize import BLOCKSIZE, shards_weights
 from liger_cli.plan.activations import Activations, measure_activations
 from liger_cli.plan.backends import BACKENDS
 from liger_cli.plan.decide import Plan
+from liger_cli.plan.memory_objectives import kv_cache_bytes, reference, rows_per_example
 from liger_cli.recipe import Recipe
 
 MiB = 2**20
@@ -258,34 +259,10 @@ def settings_of(recipe: Recipe, plan: Plan) -> Settings:
         grad_accum=t.grad_accum,
         checkpointing=plan.activation_checkpointing != "off",
         fused_loss=bool(plan.kernels.get("fused_linear_cross_entropy")),
-        rows_per_example={"sft": 1, "grpo": recipe.rl.num_generations if recipe.rl else 1}.get(
-            t.objective, 2
-        ),
-        reference=_reference(recipe),
-        kv_cache_bytes=kv_cache_bytes(recipe) if t.objective == "grpo" else 0,
+        rows_per_example=rows_per_example(recipe),
+        reference=reference(recipe),
+        kv_cache_bytes=kv_cache_bytes(recipe),
     )
-
-
-def _reference(recipe: Recipe) -> str | None:
-    full = recipe.adapter.type == "none"
-    if recipe.training.objective == "dpo":
-        return "table" if full else "pass"
-    if recipe.training.objective == "grpo" and recipe.rl is not None and recipe.rl.beta > 0:
-        return "copy" if full else "pass"
-    return None
-
-
-def kv_cache_bytes(recipe: Recipe) -> int:
-    """Keys and values of every layer for a micro-batch's completions at data.max_seq_len, model dtype."""
-    from liger_cli.model import model_dtype, read_config
-
-    config = read_config(recipe.model.path or recipe.model.config, recipe.model.trust_remote_code)
-    text = getattr(config, "get_text_config", lambda: config)()
-    layers, heads = getattr(text, "num_hidden_layers", 0), getattr(text, "num_attention_heads", 0)
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else 0)
-    rows = recipe.training.micro_batch_size * recipe.rl.num_generations
-    return 2 * layers * kv_heads * head_dim * rows * recipe.data.max_seq_len * model_dtype(recipe).itemsize
 
 
 def plan_memory(recipe: Recipe, plan: Plan, model: nn.Module, device_memory: int | None) -> MemoryPlan:
