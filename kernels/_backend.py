@@ -86,3 +86,15 @@ def program_cap(tensor: torch.Tensor) -> int:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def cast_as_autocast_would(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """Do what autocast would do to a head's matmuls, once, before an autograd Function whose own
+    matmuls use out= buffers (which autocast does not allow); the casts stay differentiable. The
+    Function then runs with autocast disabled."""
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
+    return hidden, weight, bias

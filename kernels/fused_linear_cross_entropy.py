@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from ._backend import use_triton
+from ._backend import cast_as_autocast_would, use_triton
 from .cross_entropy import check_labels, cross_entropy_reference, cross_entropy_rows
 
 # Bytes one chunk's working set may take (its fp32 logits, plus the low-precision logits and gradient
@@ -410,23 +410,14 @@ def fused_linear_cross_entropy(
         raise ValueError(
             f"shapes do not fit: hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, labels {tuple(labels.shape)}."
         )
-    device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):
-        # Do what autocast would do to the matmuls, once, outside the Function (whose own matmuls use
-        # out= buffers, which autocast does not allow); the casts stay differentiable.
-        dtype = torch.get_autocast_dtype(device_type)
-        hidden, weight = hidden.to(dtype), weight.to(dtype)
-        bias = bias.to(dtype) if bias is not None else None
-    with torch.autocast(device_type, enabled=False):
-        return _FusedLinearCrossEntropy.apply(
-            hidden,
-            weight,
-            labels,
-            bias,
-            ignore_index,
-            reduction,
-            float(label_smoothing),
-            chunk_rows,
-            vocab_block,
-            torch.is_grad_enabled(),
-        )
+    hidden, weight, bias = cast_as_autocast_would(hidden, weight, bias)
+    options = (
+        ignore_index,
+        reduction,
+        float(label_smoothing),
+        chunk_rows,
+        vocab_block,
+        torch.is_grad_enabled(),
+    )
+    with torch.autocast(hidden.device.type, enabled=False):
+        return _FusedLinearCrossEntropy.apply(hidden, weight, labels, bias, *options)

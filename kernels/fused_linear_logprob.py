@@ -50,7 +50,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._backend import use_triton
+from ._backend import cast_as_autocast_would, use_triton
 from .cross_entropy import check_labels
 from .fused_linear_cross_entropy import (
     _Blocks,
@@ -224,15 +224,8 @@ def fused_linear_token_logprob(
     if temperature != 1.0:
         h_rows = h_rows / temperature
         bias = bias / temperature if bias is not None else None
-    device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):
-        # Do what autocast would do to the matmuls, once, outside the Function (whose own matmuls use
-        # out= buffers, which autocast does not allow); the casts stay differentiable. Only the
-        # learned rows of hidden are cast.
-        dtype = torch.get_autocast_dtype(device_type)
-        h_rows, weight = h_rows.to(dtype), weight.to(dtype)
-        bias = bias.to(dtype) if bias is not None else None
-    with torch.autocast(device_type, enabled=False):
+    h_rows, weight, bias = cast_as_autocast_would(h_rows, weight, bias)  # only the learned rows are cast
+    with torch.autocast(hidden.device.type, enabled=False):
         logp = _TargetLogprob.apply(
             h_rows, weight, bias, flat[rows], chunk_rows, vocab_block, torch.is_grad_enabled()
         )
@@ -246,17 +239,12 @@ def fused_linear_logprob(
     weight: torch.Tensor,
     labels: torch.Tensor,
     bias: torch.Tensor | None = None,
-    ignore_index: int = -100,
-    shift: bool = True,
-    chunk_rows: int | None = None,
-    vocab_block: int | None = None,
+    **options,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per sequence, the summed log-probability of its learned tokens and their count: the per-token
     kernel (`fused_linear_token_logprob`, same arguments) summed over positions.
 
     Returns (logp_sum [B] fp32, count [B] int64); count is not differentiable.
     """
-    logp, learned = fused_linear_token_logprob(
-        hidden, weight, labels, bias, ignore_index, shift, chunk_rows, vocab_block
-    )
+    logp, learned = fused_linear_token_logprob(hidden, weight, labels, bias, **options)
     return logp.sum(1), learned.sum(1)

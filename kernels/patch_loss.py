@@ -139,7 +139,7 @@ def sequence_logprobs_loss(
         hidden, head = logits.hidden, logits.lm_head
         targets = shift_labels if shift_labels is not None else shift(labels, ignore_index)
         logp, count = fused_linear_logprob(
-            hidden, head.weight, targets.to(hidden.device), head.bias, ignore_index, shift=False
+            hidden, head.weight, targets.to(hidden.device), head.bias, ignore_index=ignore_index, shift=False
         )
     else:
         targets = (shift_labels if shift_labels is not None else shift(labels, ignore_index)).to(
@@ -175,7 +175,7 @@ def token_logprobs_loss(temperature: float = 1.0):
             hidden, head = logits.hidden, logits.lm_head
             targets = shift_labels if shift_labels is not None else shift(labels, ignore_index)
             logp, learned = fused_linear_token_logprob(
-                hidden, head.weight, targets.to(hidden.device), head.bias, ignore_index, shift=False,
+                hidden, head.weight, targets.to(hidden.device), head.bias, ignore_index=ignore_index, shift=False,
                 temperature=temperature,
             )  # fmt: skip
         else:
@@ -207,8 +207,7 @@ def _loss_function_refusal(causal_lm: nn.Module) -> str | None:
 
 def patch_cross_entropy(causal_lm: nn.Module):
     """True, or the reason the model's loss is not ForCausalLMLoss."""
-    refusal = _loss_function_refusal(causal_lm)
-    if refusal:
+    if refusal := _loss_function_refusal(causal_lm):
         return refusal
     causal_lm.loss_function = causal_lm_cross_entropy  # an instance attribute (transformers' setter)
     return True
@@ -361,8 +360,7 @@ def _head_refusal(causal_lm: nn.Module) -> str | None:
     lm_head = causal_lm._modules.get("lm_head")
     if lm_head is None or not isinstance(decoder, nn.Module) or decoder is causal_lm:
         return f"{name} is not a causal LM with a decoder and an lm_head"
-    refusal = _loss_function_refusal(causal_lm)
-    if refusal:
+    if refusal := _loss_function_refusal(causal_lm):
         return refusal
     config = getattr(causal_lm, "config", None)
     for attribute in LOGIT_TRANSFORMS:
@@ -437,8 +435,7 @@ def _probe_head(causal_lm: nn.Module, decoder_name: str, lm_head: nn.Module) -> 
 
 def patch_fused_linear_cross_entropy(causal_lm: nn.Module):
     """True, or the reason the fused loss cannot reproduce this model's loss."""
-    refusal = _head_refusal(causal_lm)
-    if refusal:
+    if refusal := _head_refusal(causal_lm):
         return refusal
 
     def forward(self, *args, **kwargs):
