@@ -194,11 +194,11 @@ def raise_sites(modules=None) -> list[dict]:
 
 
 def _fix(message: str) -> str:
-    """The fix: the text after the message's last '; ' (the project's convention), else after its last ': '."""
-    for mark in ("; ", ": "):
-        if mark in message:
-            return message.rsplit(mark, 1)[1]
-    return ""
+    """The fix: the text after the message's last '; ' (the project's convention, "problem; fix"), else
+    after its first ': ' ("what: what to do", where the fix may itself hold "key: value")."""
+    if "; " in message:
+        return message.rsplit("; ", 1)[1]
+    return message.split(": ", 1)[1] if ": " in message else ""
 
 
 def errors_page() -> str:
@@ -213,7 +213,7 @@ def errors_page() -> str:
         "line and exits 1. `{...}` stands for a value filled in at run time (a path, a key, a number).",
         "A recipe error raised in a validator (`liger_cli/recipe/`) is printed after the recipe file, the",
         "line and the key: ``error: my.yaml:12: `data.format`: MESSAGE``. The fix column is the text after",
-        "the message's last `;` (else its last `:`), which is where liger's messages say what to do; a few",
+        "the message's last `;` (else its first `:`), which is where liger's messages say what to do; a few",
         "messages are built at run time from the problem found, shown as the code that builds them.",
         "",
         f"{len(sites)} messages in {len({s['module'] for s in sites})} modules.",
