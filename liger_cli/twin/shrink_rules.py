@@ -1,6 +1,6 @@
 """The rules a tiny twin's config is shrunk by, as data: which attributes are sizes and how small each
 becomes, which settings make layers differ, and which attributes hold token ids. `shrink.py` applies
-them (`shrink_config`); this module holds no code.
+them (`shrink_config`); this module holds tables only (the interval rules are one-line predicates).
 
 The rules go by attribute name, not by model family, so that configs never seen before (remote code
 included) shrink too: hidden ~64, heads 4, kv heads 2 (1 stays 1: MQA; equal to the heads stays equal:
