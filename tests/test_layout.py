@@ -18,34 +18,32 @@ def _modules() -> dict[str, Path]:
     }
 
 
-def _runtime_nodes(tree: ast.AST):
-    """Every node except those under `if TYPE_CHECKING:` (annotations only, never executed)."""
-    for node in ast.iter_child_nodes(tree):
-        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
-            continue
-        yield node
-        yield from _runtime_nodes(node)
-
-
-def _imports(path: Path, known: set[str]) -> set[str]:
-    """liger_cli modules imported by `path` at run time, at any depth (function-level imports count)."""
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """liger_cli modules imported by `path`, at any depth: function-level imports count, and so do those
+    under `if TYPE_CHECKING:` (never executed, but a reader, a type checker and import-graph tools
+    all follow them). Relative imports are resolved against the module's package."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in _runtime_nodes(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(path.read_text())):
         names = []
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
-        found |= {name for name in names if name in known}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{parent}.{base}" if base else parent
+            names = [base] + [f"{base}.{alias.name}" for alias in node.names]
+        found |= {imported for imported in names if imported in known}
     return found
 
 
 def test_no_import_cycles() -> None:
+    """No module imports, through any chain, one that imports it back; `TYPE_CHECKING` imports included
+    (a helper that needs a caller's type takes the pieces it uses instead)."""
     modules = _modules()
-    graph = {name: _imports(path, set(modules)) - {name} for name, path in modules.items()}
-    # A package's __init__ importing its own submodules is how a package exposes them; it is a cycle
-    # only when one of them imports the package back (then the package is half-initialised).
-    state: dict[str, int] = {}
+    graph = {name: _imports(name, path, set(modules)) - {name} for name, path in modules.items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
 
     def visit(name: str, stack: list[str]) -> None:
         state[name] = 1
@@ -58,6 +56,18 @@ def test_no_import_cycles() -> None:
     for name in sorted(graph):
         if name not in state:
             visit(name, [])
+
+
+def test_the_cycle_check_sees_type_checking_and_relative_imports(tmp_path) -> None:
+    """The graph the cycle check walks holds the imports a reader follows, not only those that run."""
+    helper = tmp_path / "helper.py"
+    helper.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from liger_cli.run.train import Trainer\n"
+        "def f():\n    from . import checkpoint\n"
+    )
+    known = {"liger_cli.run", "liger_cli.run.train", "liger_cli.run.checkpoint"}
+    assert _imports("liger_cli.run.helper", helper, known) == known
 
 
 # The flow, first to last: a stage may import the stages before it, never one after it. The base
@@ -80,7 +90,7 @@ def _level(module: str) -> int:
 def test_imports_point_down_the_flow_only() -> None:
     modules = _modules()
     for name, path in modules.items():
-        for dep in _imports(path, set(modules)):
+        for dep in _imports(name, path, set(modules)):
             if dep.startswith(name + ".") or dep == name:
                 continue
             assert _level(dep) <= _level(name), f"{name} imports {dep}, a later stage of the flow"

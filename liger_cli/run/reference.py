@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,39 +32,55 @@ from liger_cli.model.objectives import PAIR_INDEX
 from liger_cli.run.fingerprint import short_json
 
 if TYPE_CHECKING:
-    from liger_cli.run.train import Trainer
+    from liger_cli.recipe import Recipe
+    from liger_cli.run.backends import Backend
+    from liger_cli.run.inputs import Data
 
 REFERENCE_FILE = "reference_logps.safetensors"
 DEPENDS_ON = ("model", "model.config sha256", "data", "data.train sha256", "data.eval sha256")
 """The run fingerprint's fields that the values depend on (with the pair counts)."""
 
 
-def precompute_for(trainer: Trainer, resume_from: Path | None):
+def precompute_for(
+    recipe: Recipe,
+    backend: Backend,
+    model: torch.nn.Module,
+    data: Data,
+    collate: Callable,
+    fingerprint: dict,
+    say: Callable[[str], object],
+    resume_from: Path | None,
+):
     """The `precompute` an objective's `prepare` calls: computes (fresh run) or reads (resume) the
-    table, gives every example its row, and returns the table on the run's device."""
+    table, gives every example its row, and returns the table on the run's device. `model` is the
+    prepared one (as the backend wrapped it); `collate` the objective's."""
 
     def precompute(values) -> torch.Tensor:
-        data, accelerator = trainer.data, trainer.backend.accelerator
+        accelerator = backend.accelerator
         splits = {"train": data.train, "eval": data.eval}
         splits = {name: dataset for name, dataset in splits.items() if dataset is not None}
-        depends = {field: trainer.fingerprint[field] for field in DEPENDS_ON}
+        depends = {field: fingerprint[field] for field in DEPENDS_ON}
         depends |= {f"pairs.{name}": len(dataset) for name, dataset in splits.items()}
         counts = f"{len(data.train)} train / {len(data.eval) if data.eval is not None else 0} eval pairs"
-        out = trainer.recipe.output.dir / REFERENCE_FILE
+        out = recipe.output.dir / REFERENCE_FILE
         if resume_from is None:
             start = time.perf_counter()
-            tables = {name: _compute(trainer, dataset, values) for name, dataset in splits.items()}
+            pad_id, micro = data.tokenizer.pad_token_id, recipe.training.micro_batch_size
+            tables = {
+                name: _compute(model, dataset, values, collate, pad_id, micro, accelerator)
+                for name, dataset in splits.items()
+            }
             if accelerator.is_main_process:
                 _write(out, tables, depends)
-            trainer.say(f"reference log-probs: computed for {counts} in {time.perf_counter() - start:.1f}s "
-                        f"under {trainer.backend.name}; stored in {out}")  # fmt: skip
+            say(f"reference log-probs: computed for {counts} in {time.perf_counter() - start:.1f}s "
+                f"under {backend.name}; stored in {out}")  # fmt: skip
         else:
             source = resume_from.parent.parent / REFERENCE_FILE  # <run>/checkpoints/step-N
             tables = _read(source, resume_from, depends)
             if accelerator.is_main_process and source.resolve() != out.resolve():
                 shutil.copyfile(source, out.with_name(f".tmp-{REFERENCE_FILE}"))
                 os.replace(out.with_name(f".tmp-{REFERENCE_FILE}"), out)  # the new run folder resumes too
-            trainer.say(f"reference log-probs: read from {source} ({counts}), not recomputed")
+            say(f"reference log-probs: read from {source} ({counts}), not recomputed")
         accelerator.wait_for_everyone()
         first = 0
         for name, dataset in splits.items():
@@ -75,14 +92,12 @@ def precompute_for(trainer: Trainer, resume_from: Path | None):
     return precompute
 
 
-def _compute(trainer: Trainer, dataset, values) -> torch.Tensor:
+def _compute(model, dataset, values, collate, pad_id: int, micro: int, accelerator) -> torch.Tensor:
     """[len(dataset), k] float32 on every rank: `values(model, batch)` of every example, in order."""
-    accelerator, objective = trainer.backend.accelerator, trainer.objective
-    pad_id, micro = trainer.data.tokenizer.pad_token_id, trainer.recipe.training.micro_batch_size
     table = None
     for rows, real in even_shares(len(dataset), micro, accelerator.num_processes, accelerator.process_index):
-        batch = objective.collate([dataset[k] for k in rows], pad_id)
-        found = values(trainer.model, {k: v.to(accelerator.device) for k, v in batch.items()}).float()
+        batch = collate([dataset[k] for k in rows], pad_id)
+        found = values(model, {k: v.to(accelerator.device) for k, v in batch.items()}).float()
         if table is None:
             table = torch.zeros(len(dataset), found.shape[1], device=accelerator.device)
         if real:

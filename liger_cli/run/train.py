@@ -96,7 +96,10 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
     record_plan(recipe, plan, Applied(kernels_patched=kernel_report), accelerator.is_main_process, say)
     describe(model, data, say)
     trainer = prepare(recipe, backend, model, data, say, run_fingerprint, memory, objective)
-    trainer.objective.prepare(precompute_for(trainer, output.resume_from))  # before any weight changes
+    reference = precompute_for(
+        recipe, backend, trainer.model, data, objective.collate, run_fingerprint, say, output.resume_from
+    )
+    objective.prepare(reference)  # before any weight changes
     if getattr(objective, "online", False):
         # grpo's starting weights, before a resume loads trained ones
         objective.keep_reference(trainer.model, backend.stored_trainable)
@@ -213,9 +216,10 @@ def resume(trainer: Trainer, checkpoint_dir: Path) -> None:
 
 def finish(trainer: Trainer, last: dict[str, float]) -> None:
     """The final model (gathered by the backend, written by rank 0) and the final metrics."""
-    out, accelerator = trainer.recipe.output.dir, trainer.backend.accelerator
-    state_dict = save_final(trainer.backend, trainer.model, trainer.data.tokenizer, out)
-    verify.check_final(trainer, state_dict)
+    recipe, backend, model, data = trainer.recipe, trainer.backend, trainer.model, trainer.data
+    out, accelerator = recipe.output.dir, backend.accelerator
+    state_dict = save_final(backend, model, data.tokenizer, out)
+    verify.check_final(recipe, backend, model, data, trainer.objective.collate, trainer.say, state_dict)
     peak = trainer.memory.peak_mb
     trainer.say(f"memory: peak {peak:.0f} MiB over the process's memory before the model was built "
                 "(what `liger train --dry-run` estimates)")  # fmt: skip

@@ -14,6 +14,7 @@ adapter and the merged model.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,7 +26,9 @@ from liger_cli.errors import RunFailed
 from liger_cli.model import quantize
 
 if TYPE_CHECKING:
-    from liger_cli.run.train import Trainer
+    from liger_cli.recipe import Recipe
+    from liger_cli.run.backends import Backend
+    from liger_cli.run.inputs import Data
 
 PROBE_ROWS, PROBE_TOKENS = 2, 64
 # The largest logit difference accepted, relative to the largest logit (fp32: kernels and summation
@@ -135,24 +138,32 @@ def load_final(recipe, final: Path) -> nn.Module:
     return PeftModel.from_pretrained(load_base_model(recipe), final)
 
 
-def check_final(trainer: Trainer, state_dict: dict) -> None:
-    """The run's final check: every rank runs the trained model on a probe batch of the run's own data
-    (a sharded forward is collective), then rank 0 reloads `final/` from disk and compares. Rank 0
-    alone fails if they differ; the others have nothing left to wait for."""
-    recipe, backend = trainer.recipe, trainer.backend
+def check_final(
+    recipe: Recipe,
+    backend: Backend,
+    model: nn.Module,
+    data: Data,
+    collate: Callable,
+    say: Callable[[str], object],
+    state_dict: dict,
+) -> None:
+    """The run's final check: every rank runs the trained (prepared) `model` on a probe batch of the
+    run's own data, made with the objective's `collate` (a sharded forward is collective), then rank 0
+    reloads `final/` from disk and compares with `state_dict`. Rank 0 alone fails if they differ; the
+    others have nothing left to wait for."""
     if not recipe.output.verify:
-        trainer.say("final model not verified (output.verify: false)")
+        say("final model not verified (output.verify: false)")
         return
-    train, pad_id = trainer.data.train, trainer.data.tokenizer.pad_token_id
+    train, pad_id = data.train, data.tokenizer.pad_token_id
     if train is None:  # streaming: the stream's first examples
-        examples = trainer.data.batches.probe(PROBE_ROWS)
+        examples = data.batches.probe(PROBE_ROWS)
     else:
         examples = [train[i] for i in range(min(PROBE_ROWS, len(train)))]
-    probe = probe_batch(trainer.objective.collate(examples, pad_id))
-    logits = logits_of(trainer.model, probe, backend.accelerator.device)
+    probe = probe_batch(collate(examples, pad_id))
+    logits = logits_of(model, probe, backend.accelerator.device)
     if backend.accelerator.is_main_process:
         from liger_cli.model import model_dtype
 
         rtol = logit_rtol(backend.plan.precision, model_dtype(recipe))
         load = functools.partial(load_final, recipe)
-        trainer.say(verify_final(recipe.output.dir / "final", load, state_dict, logits, probe, rtol))
+        say(verify_final(recipe.output.dir / "final", load, state_dict, logits, probe, rtol))

@@ -1,17 +1,24 @@
-"""Which config attributes are sizes, and how small a tiny twin makes them: rules by attribute name.
+"""The rules a tiny twin's config is shrunk by, as data: which attributes are sizes and how small each
+becomes, which settings make layers differ, and which attributes hold token ids. `shrink.py` applies
+them (`shrink_config`); this module holds tables only (the interval rules are one-line predicates).
 
-Each name maps to the largest value it keeps; smaller values (and None) stay as they are. The rules go
-by name, not by model family, so configs never seen before (remote code included) shrink too.
+The rules go by attribute name, not by model family, so that configs never seen before (remote code
+included) shrink too: hidden ~64, heads 4, kv heads 2 (1 stays 1: MQA; equal to the heads stays equal:
+MHA), head_dim 16, intermediate 96, MoE / shared-expert intermediate 32, MLA ranks 32, SSM and
+linear-attention dims small, vocab 256, experts 4, top-k 2 (expert groups 2, top-k group 1), sliding
+windows 8. Values that are already small stay; a size that is None stays None.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, EXPERT_INTERMEDIATE = 64, 4, 2, 16, 96, 32
 VOCAB, EXPERTS, TOP_K, RANK, WINDOW, MAX_POSITIONS = 256, 4, 2, 32, 8, 256
 
-# --- sizes, by attribute name -------------------------------------------------------------------------
+# --- widths ---------------------------------------------------------------------------------------------
 # Each name maps to the largest value it keeps; smaller values (and None) stay as they are.
-_CAPS: tuple[tuple[int, str], ...] = (
+CAPS: tuple[tuple[int, str], ...] = (
     (
         HIDDEN,
         "hidden_size d_model n_embd dim emb_dim embedding_dim embedding_size lru_width word_embed_proj_dim "
@@ -65,39 +72,67 @@ _CAPS: tuple[tuple[int, str], ...] = (
     ),
     (32, "chunk_size mamba_chunk_size block_size max_inference_chunksize"),
 )
-_CAP = {name: cap for cap, names in _CAPS for name in names.split()}
-_HEAD_DIMS = set(_CAPS[2][1].split() + _CAPS[3][1].split())
-_KV_HEADS = (
+CAP = {name: cap for cap, names in CAPS for name in names.split()}
+HEAD_DIMS = set(CAPS[2][1].split() + CAPS[3][1].split())
+# Sizes that were equal must stay equal (MLA: head_dim is the rope part; rwkv: attention width is hidden).
+TIED = (HEAD_DIMS, set(CAPS[0][1].split()) | {"attention_hidden_size"})
+HEAD_NAMES = ("num_attention_heads", "n_head", "n_heads")
+# Key/value heads: at most KV_HEADS, 1 stays 1 (MQA), as many as the heads stays so (MHA).
+KV_HEAD_NAMES = (
     "num_key_value_heads num_kv_heads swa_num_key_value_heads num_query_groups indexer_kv_heads kv_n_heads "
     "linear_num_key_heads"
 ).split()
-_LAYERS = (
+# SSM (heads, head dim) pairs: heads x head dim fill the SSM inner width (expand x hidden) if they did.
+SSM_HEADS = (
+    ("mamba_n_heads", "mamba_d_head"),
+    ("mamba_num_heads", "mamba_head_dim"),
+    ("n_mamba_heads", "mamba_headdim"),
+    ("num_heads", "head_dim"),
+)
+SSM_GROUPS = ("mamba_n_groups", "n_groups", "mamba_ngroups")  # must divide the SSM heads, else 1
+
+# --- depth ------------------------------------------------------------------------------------------------
+LAYER_NAMES = (
     "num_hidden_layers n_layer n_layers num_layers num_decoder_layers decoder_layers encoder_layers "
     "num_encoder_layers num_blocks"
 ).split()
-_VOCAB_NAMES = (
+# Interval settings: name -> (is layer i "special" under value v, for a model of n layers).
+INTERVALS: dict[str, Callable[[int, int, int], bool]] = {
+    "first_k_dense_replace": lambda i, v, n: i < v,
+    "num_dense_layers": lambda i, v, n: i < v,
+    "moe_layer_start_index": lambda i, v, n: i < v,
+    "full_attention_interval": lambda i, v, n: (i + 1) % v == 0,
+    "sliding_window_pattern": lambda i, v, n: (i + 1) % v == 0,
+    "_sliding_window_pattern": lambda i, v, n: (i + 1) % v == 0,
+    "global_attn_every_n_layers": lambda i, v, n: i % v == 0,
+    "no_rope_layer_interval": lambda i, v, n: (i + 1) % v == 0,
+    "decoder_sparse_step": lambda i, v, n: (i + 1) % v == 0,
+    "interleave_moe_layer_step": lambda i, v, n: (i + 1) % v == 0,
+    "moe_layer_interval": lambda i, v, n: (i + 1) % v == 0,
+    "moe_layer_freq": lambda i, v, n: i % v == 0,
+    "num_kv_shared_layers": lambda i, v, n: i >= n - v,
+    "max_window_layers": lambda i, v, n: i < v,
+    "n_layers_per_attn_res_block": lambda i, v, n: i % v == 0,
+}
+# Interval settings that 0 turns off (no special layer left: 0).
+OFF_AT_ZERO = (
+    "num_kv_shared_layers",
+    "first_k_dense_replace",
+    "num_dense_layers",
+    "max_window_layers",
+    "moe_layer_start_index",
+)
+# Period/offset pairs: layer i is special when i % period == offset.
+PERIODS = (("attn_layer_period", "attn_layer_offset"), ("expert_layer_period", "expert_layer_offset"))
+
+# --- vocab, token ids, positions -------------------------------------------------------------------------
+VOCAB_NAMES = (
     "vocab_size decoder_vocab_size vocab_size_per_layer_input audio_vocab_size unpadded_vocab_size "
     "ngram_vocab_size_base encoder_hash_byte_group_vocab shape_vocab_size pronunciation_vocab_size codebook_size"
 ).split()
-_POSITION_NAMES = "max_position_embeddings n_positions max_seq_len n_ctx context_length".split()
-
-
-def _get(cfg, name: str, default=None):
-    """An attribute as stored (per-layer configs refuse a plain getattr of their varying attributes)."""
-    return vars(cfg).get(name, default)
-
-
-def _set(cfg, name: str, value) -> None:
-    """Set an attribute; derived read-only ones (properties that refuse a value) are skipped."""
-    try:
-        setattr(cfg, name, value)
-    except (AttributeError, NotImplementedError):
-        pass
-
-
-def _is_token_name(name: str) -> bool:
-    return name.endswith(("token_id", "token_ids", "token_index", "_token")) or name in (
-        "suppress_tokens",
-        "begin_suppress_tokens",
-        "forced_decoder_ids",
-    )
+# Token ids above the new vocab move to its top (the same id to the same place in every sub-config).
+TOKEN_SUFFIXES = ("token_id", "token_ids", "token_index", "_token")
+TOKEN_NAMES = ("suppress_tokens", "begin_suppress_tokens", "forced_decoder_ids")
+# Learned position tables (GPT-2, OPT) shrink to MAX_POSITIONS rows; rope positions are left alone.
+POSITION_NAMES = "max_position_embeddings n_positions max_seq_len n_ctx context_length".split()
+ROPE_SETTINGS = ("rope_parameters", "rope_scaling")

@@ -14,8 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from liger_cli.twin.shrink import _sub_configs, shrink_config
-from liger_cli.twin.shrink_rules import _POSITION_NAMES, MAX_POSITIONS, _get, _set
+from liger_cli.twin.shrink import position_sizes, shrink_config, shrink_positions
 
 PARAM_LIMIT = 5_000_000  # tiny_causal_lm refuses to allocate a twin larger than this
 
@@ -42,8 +41,7 @@ def _count(model) -> int:
 
 def _position_tables(model, config) -> bool:
     """Whether the model holds a parameter or buffer with (at least) max_position_embeddings rows."""
-    sizes = {getattr(c, n, None) for c in _sub_configs(config) for n in _POSITION_NAMES} - {None}
-    sizes = {s for s in sizes if isinstance(s, int) and s > MAX_POSITIONS}
+    sizes = position_sizes(config)
     tensors = list(model.parameters()) + list(model.buffers())
     return bool(sizes) and any(dim >= min(sizes) for t in tensors for dim in t.shape)  # OPT adds 2 rows
 
@@ -93,10 +91,7 @@ def tiny_causal_lm(
     try:
         tiny, meta = _meta_twin(config, kwargs)
         if _position_tables(meta, tiny):
-            for cfg in _sub_configs(tiny):
-                for key in _POSITION_NAMES:
-                    if isinstance(_get(cfg, key), int) and _get(cfg, key) > MAX_POSITIONS:
-                        _set(cfg, key, MAX_POSITIONS)
+            shrink_positions(tiny)
             with torch.device("meta"):
                 meta = _from_config(tiny, **kwargs)
     except Exception as err:
