@@ -281,3 +281,19 @@ def test_a_resume_between_iterations_reuses_the_same_completions(setup, tmp_path
     got_w, want_w = (load_file(p / "final" / "adapter_model.safetensors") for p in (stopped, whole))
     for key in want_w:
         assert (got_w[key] - want_w[key]).abs().max() < 1e-6, key
+
+
+def test_liger_bench_compares_kernels_on_a_grpo_recipe(setup, tmp_path: Path) -> None:
+    """`liger bench` on a GRPO recipe: both runs sample the same first completions (the kernels change no
+    sampled token here), so their first-step losses agree; each writes its rollouts."""
+    out = tmp_path / "bench"
+    recipe = grpo_recipe(setup, tmp_path / "run", training__eval_every=None)
+    proc = liger("bench", str(recipe), "--steps", "1", "--warmup", "0", "--out", str(out), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads((out / "bench.json").read_text())
+    assert report["first_step_loss"]["agree"], report["first_step_loss"]
+    on, off = (
+        [json.loads(line)["completion_ids"] for line in (out / v / "rollouts.jsonl").read_text().splitlines()]
+        for v in ("kernels_on", "kernels_off")
+    )
+    assert len(on) == 2 * 2 * 4 and on == off
