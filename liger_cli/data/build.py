@@ -150,14 +150,27 @@ def _kind(fmt: str) -> str:
 
 
 def encoder(fmt: str, data_cfg: DataConfig):
-    """The function row -> Encoded for the format and the recipe's chat options."""
+    """The function (rows, tokenizer) -> each row's Encoded, or the ValueError a template problem of
+    that row raised, for the format and the recipe's chat options."""
     if fmt == "chat":
-        from liger_cli.data.chat import encode_chat
+        from liger_cli.data.chat_batch import encode_chats
 
         turns = getattr(data_cfg, "learn_turns", "all")
         reasoning = getattr(data_cfg, "learn_reasoning", True)
-        return lambda row, tokenizer: encode_chat(row, tokenizer, turns, reasoning)
-    return {"text": encode_text, "instruction": encode_instruction}[fmt]
+        return lambda rows, tokenizer: encode_chats(rows, tokenizer, turns, reasoning)
+    encode = {"text": encode_text, "instruction": encode_instruction}[fmt]
+
+    def each(rows, tokenizer):
+        found = []
+        for row in rows:
+            try:
+                found.append(encode(row, tokenizer))
+            except ValueError as err:
+                found.append(err)
+                break  # the caller stops at the first problem
+        return found
+
+    return each
 
 
 def _shown_path(source: Source) -> Path:
@@ -235,13 +248,11 @@ def batch_encoder(path: Path, fmt: str, data_cfg: DataConfig, tokenizer):
         names = ("input_ids", "labels", "position_ids", "row", "length", DROP_COLUMN, WARNINGS_COLUMN)
         out: dict[str, list] = {name: [] for name in names}
         notes, kept = [], []  # per row: its warnings; per kept row: (position, ids, labels, turns)
-        for j in range(len(batch[ROW_COLUMN])):
-            row = {k: v[j] for k, v in batch.items()}
+        rows = [{k: v[j] for k, v in batch.items()} for j in range(len(batch[ROW_COLUMN]))]
+        for j, (row, enc) in enumerate(zip(rows, encode(rows, tokenizer), strict=True)):
             index = row[ROW_COLUMN]
-            try:
-                enc = encode(row, tokenizer)
-            except ValueError as err:  # a template problem found while rendering this row
-                raise UserError(f"data error: {path} {where(path, index)}: {err}") from None
+            if isinstance(enc, ValueError):  # a template problem found while rendering this row
+                raise UserError(f"data error: {path} {where(path, index)}: {enc}") from None
             found = [list(w) for w in enc.warnings]
             if (bos_message := double_bos(tokenizer, enc.input_ids)) is not None:
                 found.append(["DOUBLE_BOS", start_field, bos_message])

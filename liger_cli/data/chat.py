@@ -36,7 +36,10 @@ REASONING_BLOCK = re.compile(r"<think>(.*?)</think>\s*", re.S)
 
 
 def encode_chat(row: dict, tokenizer, learn_turns: str = "all", learn_reasoning: bool = True) -> Encoded:
-    """Chat row -> Encoded: ids, labels (assistant turns only), the learned turns and warnings."""
+    """Chat row -> Encoded: ids, labels (assistant turns only), the learned turns and warnings.
+
+    The reference: one rendering per turn (liger_cli.data.chat_batch renders once where it can, and
+    must give exactly this)."""
     messages, tools = conversation(row)
     full = render(tokenizer, messages, tools)
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
@@ -45,9 +48,18 @@ def encode_chat(row: dict, tokenizer, learn_turns: str = "all", learn_reasoning:
         turns = _marked_turns(tokenizer, messages, tools, ids, offsets)
     else:
         turns = [
-            (i, *_tokens_inside(offsets, start, end))
+            (i, *tokens_inside(offsets, start, end))
             for i, start, end in assistant_spans(tokenizer, messages, tools, full)
         ]
+    return label_turns(tokenizer, messages, tools, full, ids, offsets, turns, learn_turns, learn_reasoning)
+
+
+def label_turns(
+    tokenizer, messages, tools, full, ids, offsets, turns, learn_turns, learn_reasoning, prompts=None
+) -> Encoded:
+    """The rendered, tokenized conversation and its assistant turns (message index, first token, end
+    token) -> Encoded, with the recipe's options applied and the checks' warnings. `prompts`: the
+    generation prompt's ids for each turn when the caller has them (else they are rendered here)."""
     turns = [t for t in turns if t[2] > t[1]]
     if learn_turns == "last":
         turns = turns[-1:]
@@ -76,7 +88,7 @@ def encode_chat(row: dict, tokenizer, learn_turns: str = "all", learn_reasoning:
     turns = [(i, first, end) for i, first, end in turns if any(learned[first:end])]
     learned_turns = [(_field(i), first, end) for i, first, end in turns]
     warnings += _missing_turn_ends(tokenizer, ids, labels, learned_turns)
-    warnings += train_infer_mismatches(tokenizer, messages, tools, ids, turns)
+    warnings += train_infer_mismatches(tokenizer, messages, tools, ids, turns, prompts)
     return Encoded(ids, labels, learned_turns, warnings)
 
 
@@ -157,7 +169,7 @@ def _marked_turns(tokenizer, messages, tools, ids, offsets) -> list[tuple[int | 
     return [(i, a, b) for i, (a, b) in zip(assistants, runs, strict=True)]
 
 
-def _tokens_inside(offsets, start: int, end: int) -> tuple[int, int]:
+def tokens_inside(offsets, start: int, end: int) -> tuple[int, int]:
     """(first, end) token indices of the tokens with a character in [start, end). A token that
     straddles a boundary (" odd" after a prompt ending in "assistant:") is learned, as transformers'
     assistant mask does."""
