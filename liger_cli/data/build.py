@@ -25,6 +25,7 @@ import logging
 from pathlib import Path
 from typing import Protocol
 
+from liger_cli.data import columns
 from liger_cli.data.cache import keep, look_up
 from liger_cli.data.checks import double_bos, eos_masked_as_pad, eos_masked_message
 from liger_cli.data.encode import (
@@ -38,6 +39,7 @@ from liger_cli.data.encode import (
 from liger_cli.data.files import FORMAT_FIELDS, ROW_COLUMN, quiet_datasets, where
 from liger_cli.data.mix import fraction_orders, mixture
 from liger_cli.data.preference import PAIR_COLUMNS
+from liger_cli.data.processes import encode_table, tokenizing_processes
 from liger_cli.data.sources import Source, read_rows, sources_of
 from liger_cli.data.split import DROP_COLUMN, WARNINGS_COLUMN, DataWarning, Split, split_of
 from liger_cli.errors import UserError
@@ -121,7 +123,9 @@ def prepare_data(
     rows = {id(e): read_rows(e.source) for e in entries if e.table is None}
     for entry in entries:
         if entry.table is None:
-            keep(entry, _encode(rows.pop(id(entry)), entry.source, data_cfg, tokenizer))
+            source_rows = rows.pop(id(entry))
+            entry.processes = tokenizing_processes(data_cfg, len(source_rows))
+            keep(entry, _encode(source_rows, entry.source, data_cfg, tokenizer))
 
     train_parts, eval_parts = [], []
     for entry in entries[: len(train_sources)]:
@@ -194,6 +198,7 @@ def _encode(rows, source: Source, data_cfg: DataConfig, tokenizer):
 def _part(entry, data_cfg: DataConfig, order: list[int] | None) -> Split:
     path = _shown_path(entry.source)
     split = split_of(entry.table, path, data_cfg.max_seq_len, data_cfg.packing, order, entry.status)
+    split.processes = entry.processes
     pairs = entry.source.format == "preference"
     if len(split.examples) == 0:
         raise UserError(
@@ -215,10 +220,10 @@ def _part(entry, data_cfg: DataConfig, order: list[int] | None) -> Split:
 def _finish(split: Split, data_cfg: DataConfig) -> None:
     """The dataset training receives: the model's columns, packed when packing is on."""
     names = split.examples.column_names
-    columns = [c for c in ("input_ids", "labels", "position_ids") if c in names]
+    kept = [c for c in ("input_ids", "labels", "position_ids") if c in names]
     if "prompt_ids" in names:  # prompts (online RL), with the file row for the sampling keys
-        columns = ["prompt_ids", "prompt", "fields", "row"]
-    split.dataset = split.examples.select_columns(columns or list(PAIR_COLUMNS))
+        kept = ["prompt_ids", "prompt", "fields", "row"]
+    split.dataset = split.examples.select_columns(kept or list(PAIR_COLUMNS))
     max_len = data_cfg.max_seq_len
     if data_cfg.packing:
         with quiet_datasets():
@@ -231,7 +236,8 @@ def _finish(split: Split, data_cfg: DataConfig) -> None:
                 keep_in_memory=True,
                 new_fingerprint=f"liger-packed-{data_cfg.format}-{max_len}-{len(split.examples)}",
             )
-    n_tokens = sum(split.examples["length"]) if "input_ids" in split.examples.column_names else 0
+    examples = split.examples
+    n_tokens = int(columns.numbers(examples, "length").sum()) if "input_ids" in examples.column_names else 0
     packed_into = f", packed into {len(split.dataset)} sequences" if data_cfg.packing else ""
     log.info("data: %s: %d examples%s, %d tokens", split.path, len(split.examples), packed_into, n_tokens)
 
@@ -293,17 +299,8 @@ def batch_encoder(path: Path, fmt: str, data_cfg: DataConfig, tokenizer):
 def _encode_rows(rows, path: Path, fmt: str, data_cfg: DataConfig, tokenizer):
     """Encode and truncate every row (`batch_encoder`), batches of 1000 rows through `datasets`' map."""
     encode_batch, max_len = batch_encoder(path, fmt, data_cfg, tokenizer), data_cfg.max_seq_len
-    with quiet_datasets():
-        return rows.map(
-            encode_batch,
-            batched=True,
-            batch_size=1000,
-            remove_columns=rows.column_names,
-            load_from_cache_file=False,
-            keep_in_memory=True,
-            num_proc=getattr(data_cfg, "num_proc", None),
-            new_fingerprint=f"liger-{fmt}-{max_len}-{len(rows)}",
-        )
+    fingerprint = f"liger-{fmt}-{max_len}-{len(rows)}"
+    return encode_table(rows, encode_batch, fingerprint, tokenizing_processes(data_cfg, len(rows)))
 
 
 def _pack_batch(max_seq_len: int):

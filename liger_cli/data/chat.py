@@ -27,6 +27,7 @@ be what you meant.
 from __future__ import annotations
 
 import re
+import weakref
 
 from liger_cli.data.checks import common_suffix, train_infer_mismatches
 from liger_cli.data.encode import IGNORE_INDEX, Encoded
@@ -180,6 +181,7 @@ def tokens_inside(offsets, start: int, end: int) -> tuple[int, int]:
 def _learned_non_assistant(messages, full, offsets, learned, turns) -> list[tuple[str, str, str]]:
     """System, user and tool contents that carry a learned token (a misplaced generation block)."""
     turn_ends = {i: offsets[end - 1][1] for i, _, end in turns if i is not None}
+    learned_tokens = [t for t, keep in enumerate(learned) if keep]
     warnings, cursor = [], 0
     for k, message in enumerate(messages):
         if k in turn_ends:
@@ -191,7 +193,7 @@ def _learned_non_assistant(messages, full, offsets, learned, turns) -> list[tupl
         if pos < 0:
             continue
         cursor = pos + len(content)
-        if any(learned[t] for t, (a, b) in enumerate(offsets) if a < cursor and b > pos):
+        if any(offsets[t][0] < cursor and offsets[t][1] > pos for t in learned_tokens):
             warnings.append(
                 (
                     "NON_ASSISTANT_LEARNED",
@@ -205,13 +207,11 @@ def _learned_non_assistant(messages, full, offsets, learned, turns) -> list[tupl
 
 def _missing_turn_ends(tokenizer, ids, labels, turns) -> list[tuple[str, str, str]]:
     """Learned turns whose last learned token (whitespace aside) is not eos or a special token."""
-    enders = {tokenizer.eos_token_id} | {
-        i for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items() if token.special
-    }
+    enders, blank = _token_facts(tokenizer)
     warnings = []
     for field, first, end in turns:
         kept = [t for t in range(first, end) if labels[t] != IGNORE_INDEX]
-        while kept and not tokenizer.decode([ids[kept[-1]]]).strip():
+        while kept and blank(ids[kept[-1]]):
             kept.pop()
         if kept and ids[kept[-1]] not in enders:
             warnings.append(
@@ -223,6 +223,29 @@ def _missing_turn_ends(tokenizer, ids, labels, turns) -> list[tuple[str, str, st
                 )
             )
     return warnings
+
+
+_FACTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _token_facts(tokenizer):
+    """The ids that end a turn (eos and the special added tokens), and whether a token decodes to
+    whitespace only; kept per tokenizer (and its vocabulary size), as every row asks the same."""
+    size = len(tokenizer)
+    found = _FACTS.get(tokenizer)
+    if found is None or found[0] != size:
+        enders = {tokenizer.eos_token_id} | {
+            i for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items() if token.special
+        }
+        blanks: dict[int, bool] = {}
+
+        def blank(token: int) -> bool:
+            if token not in blanks:
+                blanks[token] = not tokenizer.decode([token]).strip()
+            return blanks[token]
+
+        found = _FACTS[tokenizer] = (size, enders, blank)
+    return found[1], found[2]
 
 
 def _field(message_index: int | None) -> str:

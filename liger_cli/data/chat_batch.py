@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import re
+import weakref
 from dataclasses import dataclass
 
 from liger_cli.data.chat import (
@@ -50,7 +51,7 @@ PROBE = [
     {"role": "assistant", "content": "Two."},
 ]
 
-_SHAPES: dict[tuple[int, str], _Shape | None] = {}
+_SHAPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (template, _Shape or None)
 
 
 def encode_chats(rows: list[dict], tokenizer, learn_turns: str = "all", learn_reasoning: bool = True) -> list:
@@ -70,7 +71,7 @@ def encode_chats(rows: list[dict], tokenizer, learn_turns: str = "all", learn_re
             "data: the one-rendering path disagrees with the per-turn one on a row under this chat "
             "template; using the per-turn path for the rest of this run"
         )
-        _SHAPES[_key(tokenizer)] = None
+        _SHAPES[tokenizer] = (_template(tokenizer), None)
         return [_reference(row, tokenizer, learn_turns, learn_reasoning) for row in rows]
     return out
 
@@ -100,11 +101,10 @@ class _Draft:
 
 def _encode_drafts(drafts: list[_Draft | None], tokenizer, learn_turns, learn_reasoning) -> list:
     ready = [d for d in drafts if d is not None]
-    texts = tokenizer([d.full for d in ready], add_special_tokens=False, return_offsets_mapping=True)
+    plain = {"add_special_tokens": False, "return_attention_mask": False, "return_token_type_ids": False}
+    texts = tokenizer([d.full for d in ready], return_offsets_mapping=True, **plain)
     wanted = [(k, i, d.full[:start]) for k, d in enumerate(ready) for i, start, _ in d.spans]
-    prompt_ids = (
-        tokenizer([text for _, _, text in wanted], add_special_tokens=False)["input_ids"] if wanted else []
-    )
+    prompt_ids = tokenizer([text for _, _, text in wanted], **plain)["input_ids"] if wanted else []
     prompts: list[dict[int, list[int]]] = [{} for _ in ready]
     for (k, i, _), ids in zip(wanted, prompt_ids, strict=True):
         prompts[k][i] = list(ids)
@@ -211,16 +211,17 @@ class _Shape:
         return _Draft(messages, tools, full, spans)
 
 
-def _key(tokenizer) -> tuple[int, str]:
-    return id(tokenizer), str(tokenizer.chat_template)
+def _template(tokenizer) -> tuple[str, int]:
+    return str(tokenizer.chat_template), len(tokenizer)
 
 
 def _shape(tokenizer) -> _Shape | None:
-    """The tokenizer's _Shape when its template allows one rendering per row (see the module docstring)."""
-    key = _key(tokenizer)
-    if key not in _SHAPES:
-        _SHAPES[key] = _probe(tokenizer)
-    return _SHAPES[key]
+    """The tokenizer's _Shape when its template allows one rendering per row (see the module docstring);
+    probed again when its template or vocabulary changed."""
+    found = _SHAPES.get(tokenizer)
+    if found is None or found[0] != _template(tokenizer):
+        found = _SHAPES[tokenizer] = (_template(tokenizer), _probe(tokenizer))
+    return found[1]
 
 
 def _probe(tokenizer) -> _Shape | None:

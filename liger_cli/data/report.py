@@ -114,6 +114,7 @@ def report_text(name: str, split: Split) -> str:
         _length_line("length (tokens before truncation)", before),
         *_histogram(before, split.max_seq_len),
         f"  cache: {split.cache}",
+        _tokenized_line(split),
     ]
     return "\n".join(lines)
 
@@ -168,6 +169,7 @@ def pairs_text(name: str, split: Split) -> str:
         _length_line("length of the longer side (tokens before truncation)", longer),
         *_histogram(longer, split.max_seq_len),
         f"  cache: {split.cache}",
+        _tokenized_line(split),
     ]
     return "\n".join(lines)
 
@@ -276,6 +278,12 @@ def _runs(keys: list) -> list[tuple[int, int]]:
             runs.append((start, t))
             start = t
     return runs
+
+
+def _tokenized_line(split: Split) -> str:
+    if not split.processes:
+        return "  tokenized: read from the cache"
+    return f"  tokenized: by {split.processes} process{'es' if split.processes > 1 else ''}"
 
 
 def _length_line(what: str, lengths: np.ndarray) -> str:

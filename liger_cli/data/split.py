@@ -53,6 +53,8 @@ class Split:
     warnings: list[DataWarning] = field(default_factory=list)
     cache: str = "off"
     """What the tokenized-data cache did: "hit (path)", "built (path)" or "off"."""
+    processes: int = 0
+    """How many processes tokenized the source in this run (0: read from the cache)."""
     shares: list[Share] = field(default_factory=list)
     """A mixture's sources (empty for one source)."""
     source_of: list[int] = field(default_factory=list)
