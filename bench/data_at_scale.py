@@ -1,17 +1,20 @@
-"""Data at scale: tokenizing a 100k-row chat file (first run, cached start, TRL's SFT preprocessing) and the
-peak memory of streaming files of two sizes.
+"""Data at scale: tokenizing a 100k-row chat file (first run, cached start, TRL's SFT preprocessing, the
+default number of processes, a cached `liger data`) and the peak memory of streaming files of two sizes.
 
     python bench/data_at_scale.py [--rows 100000] [--trl-python /path/to/.venv-trl/bin/python]
-                                  [--stream-rows 10000 40000]
+                                  [--stream-rows 10000 40000] [--no-stream]
 
 (a) Writes a synthetic, deterministic chat jsonl (system, user, assistant, user, assistant) and, each in a
     fresh process, times `liger_cli.data.prepare_data` (the function `liger train` and `liger data` call)
-    with an empty cache (tokenizes and writes the cache) and again (reads the cache), and, when
-    `--trl-python` names an interpreter with `trl`, TRL's `SFTTrainer._prepare_dataset` on the same file
-    (a note says so when it is absent). Tokenizer: the quickstart model's (recipes/quickstart/model).
+    with one tokenizing process and an empty cache (tokenizes and writes the cache), then again (reads
+    the cache); when `--trl-python` names an interpreter with `trl`, TRL's `SFTTrainer._prepare_dataset`
+    on the same file (one process, its default; a note says so when it is absent); the first run again
+    with the default `data.num_proc` (an empty cache of its own); and the whole `liger data RECIPE`
+    process on the cached entry against a process that only imports what it needs and loads the same
+    tokenizer (best of 3 each). Tokenizer: the quickstart model's (recipes/quickstart/model).
 (b) Streams text files of two sizes through `liger_cli.data.stream.encoded_stream` (one whole pass) in a
     fresh process each and reports the peak RSS and its growth over the process's RSS before streaming;
-    the cached path (`prepare_data`, cache off) on the same files for contrast.
+    the cached path (`prepare_data`, cache off) on the same files for contrast. `--no-stream` skips it.
 Results are printed and written to bench/results/data_at_scale.json.
 """
 

@@ -139,3 +139,25 @@ def test_the_data_command_modules_import_neither_torch_nor_a_model():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_pack_table_is_pack_examples_over_each_chunk_of_examples():
+    import datasets
+
+    rng = random.Random(5)
+    examples = []
+    for _ in range(2300):  # three chunks of 1000, so packed rows never cross a chunk's end
+        n = rng.randint(2, 30)
+        ids = [rng.randrange(1000) for _ in range(n)]
+        examples.append(
+            {"input_ids": ids, "labels": [t if rng.random() < 0.5 else IGNORE_INDEX for t in ids]}
+        )
+    table = datasets.Dataset.from_list(examples)
+    expected = [row for k in range(0, 2300, 1000) for row in pack_examples(examples[k : k + 1000], 64)]
+    packed = columns.pack_table(table.select(range(2300)), 64, chunk=1000)
+    assert len(packed) == len(expected)
+    for name in ("input_ids", "labels", "position_ids"):
+        assert packed[name][:] == [row[name] for row in expected]
+    assert str(packed.features["input_ids"]) == str(
+        datasets.Dataset.from_list(expected).features["input_ids"]
+    )

@@ -33,10 +33,9 @@ from liger_cli.data.encode import (
     collate,
     encode_instruction,
     encode_text,
-    pack_examples,
     truncate,
 )
-from liger_cli.data.files import FORMAT_FIELDS, ROW_COLUMN, quiet_datasets, where
+from liger_cli.data.files import FORMAT_FIELDS, ROW_COLUMN, where
 from liger_cli.data.mix import fraction_orders, mixture
 from liger_cli.data.preference import PAIR_COLUMNS
 from liger_cli.data.processes import encode_table, tokenizing_processes
@@ -61,6 +60,7 @@ WARNINGS = {
 }
 
 TRUNCATED_AWAY = "every learned token is past max_seq_len"
+PACK_CHUNK = 1000  # examples packed together: a packed row never joins examples of two chunks
 
 
 class DataConfig(Protocol):
@@ -226,16 +226,7 @@ def _finish(split: Split, data_cfg: DataConfig) -> None:
     split.dataset = split.examples.select_columns(kept or list(PAIR_COLUMNS))
     max_len = data_cfg.max_seq_len
     if data_cfg.packing:
-        with quiet_datasets():
-            split.dataset = split.dataset.map(
-                _pack_batch(max_len),
-                batched=True,
-                remove_columns=split.dataset.column_names,
-                batch_size=1000,
-                load_from_cache_file=False,
-                keep_in_memory=True,
-                new_fingerprint=f"liger-packed-{data_cfg.format}-{max_len}-{len(split.examples)}",
-            )
+        split.dataset = columns.pack_table(split.dataset, max_len, chunk=PACK_CHUNK)
     examples = split.examples
     n_tokens = int(columns.numbers(examples, "length").sum()) if "input_ids" in examples.column_names else 0
     packed_into = f", packed into {len(split.dataset)} sequences" if data_cfg.packing else ""
@@ -301,15 +292,6 @@ def _encode_rows(rows, path: Path, fmt: str, data_cfg: DataConfig, tokenizer):
     encode_batch, max_len = batch_encoder(path, fmt, data_cfg, tokenizer), data_cfg.max_seq_len
     fingerprint = f"liger-{fmt}-{max_len}-{len(rows)}"
     return encode_table(rows, encode_batch, fingerprint, tokenizing_processes(data_cfg, len(rows)))
-
-
-def _pack_batch(max_seq_len: int):
-    def pack(batch: dict[str, list]) -> dict[str, list]:
-        examples = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
-        packed = pack_examples(examples, max_seq_len)
-        return {k: [p[k] for p in packed] for k in batch}
-
-    return pack
 
 
 def _log_warnings(warnings: list[DataWarning]) -> None:

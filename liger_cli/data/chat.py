@@ -174,8 +174,16 @@ def tokens_inside(offsets, start: int, end: int) -> tuple[int, int]:
     """(first, end) token indices of the tokens with a character in [start, end). A token that
     straddles a boundary (" odd" after a prompt ending in "assistant:") is learned, as transformers'
     assistant mask does."""
-    inside = [t for t, (a, b) in enumerate(offsets) if b > a and a < end and b > start]
-    return (inside[0], inside[-1] + 1) if inside else (0, 0)
+    first = next((t for t, (a, b) in enumerate(offsets) if b > a and a < end and b > start), None)
+    if first is None:
+        return 0, 0
+    last = next(t for t in range(len(offsets) - 1, first - 1, -1) if _overlaps(offsets[t], start, end))
+    return first, last + 1
+
+
+def _overlaps(offset: tuple[int, int], start: int, end: int) -> bool:
+    a, b = offset
+    return b > a and a < end and b > start
 
 
 def _learned_non_assistant(messages, full, offsets, learned, turns) -> list[tuple[str, str, str]]:

@@ -101,34 +101,60 @@ class _Draft:
 
 def _encode_drafts(drafts: list[_Draft | None], tokenizer, learn_turns, learn_reasoning) -> list:
     ready = [d for d in drafts if d is not None]
-    plain = {"add_special_tokens": False, "return_attention_mask": False, "return_token_type_ids": False}
-    texts = tokenizer([d.full for d in ready], return_offsets_mapping=True, **plain)
-    wanted = [(k, i, d.full[:start]) for k, d in enumerate(ready) for i, start, _ in d.spans]
-    prompt_ids = tokenizer([text for _, _, text in wanted], **plain)["input_ids"] if wanted else []
-    prompts: list[dict[int, list[int]]] = [{} for _ in ready]
-    for (k, i, _), ids in zip(wanted, prompt_ids, strict=True):
-        prompts[k][i] = list(ids)
+    texts = tokenizer([d.full for d in ready], return_offsets_mapping=True, **PLAIN)
+    ids = [list(found) for found in texts["input_ids"]]
+    offsets = [[tuple(o) for o in found] for found in texts["offset_mapping"]]
+    prompts = _prompt_ids(tokenizer, ready, ids, offsets)
     encoded = []
-    for k, d in enumerate(ready):
-        ids = list(texts["input_ids"][k])
-        offsets = [tuple(o) for o in texts["offset_mapping"][k]]
-        turns = [(i, *tokens_inside(offsets, start, end)) for i, start, end in d.spans]
+    for d, row_ids, row_offsets, row_prompts in zip(ready, ids, offsets, prompts, strict=True):
+        turns = [(i, *tokens_inside(row_offsets, start, end)) for i, start, end in d.spans]
         encoded.append(
             label_turns(
                 tokenizer,
-                d.messages,
-                d.tools,
-                d.full,
-                ids,
-                offsets,
-                turns,
-                learn_turns,
-                learn_reasoning,
-                prompts[k],
+                *(d.messages, d.tools, d.full, row_ids, row_offsets, turns),
+                *(learn_turns, learn_reasoning, row_prompts),
             )
         )
     found = iter(encoded)
     return [next(found) if d is not None else None for d in drafts]
+
+
+PLAIN = {"add_special_tokens": False, "return_attention_mask": False, "return_token_type_ids": False}
+
+
+def _prompt_ids(tokenizer, ready: list[_Draft], ids, offsets) -> list[dict[int, list[int]]]:
+    """For each row, each turn's generation prompt ids (those of the text before the turn), for the
+    train/infer check. A tokenizer cuts its input at added tokens before anything else, so they are the
+    row's ids up to the last added token before the turn, then the ids of the text from that token on:
+    a few characters, the same in most rows, each tokenized once (and checked to start with that token)."""
+    added = set(getattr(tokenizer, "added_tokens_decoder", {}))
+    asks, tails = [], {}
+    for k, d in enumerate(ready):
+        marks = [t for t, token in enumerate(ids[k]) if token in added]
+        for i, start, _ in d.spans:
+            j = next((t for t in reversed(marks) if offsets[k][t][1] <= start), None)
+            tail = d.full[offsets[k][j][0] : start] if j is not None else d.full[:start]
+            asks.append((k, i, j, tail))
+            tails[tail] = None
+    unique = list(tails)
+    for tail, found in zip(unique, tokenizer(unique, **PLAIN)["input_ids"] if unique else [], strict=True):
+        tails[tail] = list(found)
+    prompts: list[dict[int, list[int]]] = [{} for _ in ready]
+    redo = []
+    for k, i, j, tail in asks:
+        found = tails[tail]
+        if j is None:
+            prompts[k][i] = found
+        elif found[:1] == [ids[k][j]]:
+            prompts[k][i] = ids[k][:j] + found
+        else:
+            redo.append((k, i, ready[k].full[: next(s for m, s, _ in ready[k].spans if m == i)]))
+    if redo:
+        for (k, i, _), found in zip(
+            redo, tokenizer([text for *_, text in redo], **PLAIN)["input_ids"], strict=True
+        ):
+            prompts[k][i] = list(found)
+    return prompts
 
 
 class _Watched(list):

@@ -62,3 +62,39 @@ def histogram(lengths: np.ndarray, max_seq_len: int, bins: int) -> np.ndarray:
     lengths = np.asarray(lengths, dtype=np.int64)
     which = np.where(lengths <= max_seq_len, np.minimum((lengths - 1) // width, bins), bins)
     return np.bincount(np.where(which < 0, bins, which), minlength=bins + 1)  # an empty one: the last
+
+
+def pack_table(dataset, max_seq_len: int, chunk: int):
+    """`encode.pack_examples` over each run of `chunk` consecutive examples, as column operations: the
+    tokens stay in order, packed rows are new list offsets over them, each example's first label becomes
+    -100 and its position_ids restart at 0. Reads the lengths column once; one Arrow chunk per run."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    from datasets.table import InMemoryTable
+
+    ids, labels = column(dataset, "input_ids"), column(dataset, "labels")
+    lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False).astype(np.int64)
+    if (lengths == 0).any():
+        raise ValueError("an example without tokens cannot be packed")
+    flat = {
+        "input_ids": pc.list_flatten(ids).to_numpy(zero_copy_only=False).astype(np.int64),
+        "labels": pc.list_flatten(labels).to_numpy(zero_copy_only=False).astype(np.int64),
+    }
+    first = np.cumsum(lengths) - lengths  # each example's first token
+    flat["labels"][first] = IGNORE_INDEX
+    flat["position_ids"] = np.arange(len(flat["input_ids"]), dtype=np.int64) - np.repeat(first, lengths)
+    kinds = {  # as the source columns hold them (input_ids: int32, as `datasets` writes that column)
+        name: dataset.data.schema.field(name).type if name in dataset.column_names else pa.list_(pa.int64())
+        for name in flat
+    }
+    pieces: dict[str, list] = {name: [] for name in flat}
+    for k in range(0, len(lengths), chunk):
+        begin, end = first[k], first[k] + lengths[k : k + chunk].sum()
+        rows = k + pack_starts(lengths[k : k + chunk], max_seq_len)
+        offsets = pa.array(np.append(first[rows], end) - begin, type=pa.int32())
+        for name, values in flat.items():
+            values = pa.array(values[begin:end], type=kinds[name].value_type)
+            pieces[name].append(pa.ListArray.from_arrays(offsets, values))
+    arrays = {name: pa.chunked_array(found, type=kinds[name]) for name, found in pieces.items()}
+    return datasets.Dataset(InMemoryTable(pa.table(arrays)))
