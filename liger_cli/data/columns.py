@@ -18,31 +18,44 @@ def column(dataset, name: str):
 
 
 def numbers(dataset, name: str) -> np.ndarray:
-    """A column of numbers (or strings) as a NumPy array."""
-    return column(dataset, name).to_numpy(zero_copy_only=False)
+    """A column of numbers as a NumPy array."""
+    values, rows = _stored(dataset, name)
+    found = values.to_numpy()
+    return found if rows is None else found[rows]
 
 
 def list_lengths(dataset, name: str) -> np.ndarray:
     """The length of each list of a list column (the tokens of each example)."""
     import pyarrow.compute as pc
 
-    return pc.list_value_length(column(dataset, name)).to_numpy(zero_copy_only=False).astype(np.int64)
+    values, rows = _stored(dataset, name)
+    found = pc.list_value_length(values).to_numpy().astype(np.int64)
+    return found if rows is None else found[rows]
 
 
 def learned_per_example(dataset, name: str = "labels") -> np.ndarray:
     """How many labels of each example are learned, its first label aside (never a prediction target)."""
     import pyarrow.compute as pc
 
-    lists = column(dataset, name)
-    lengths = pc.list_value_length(lists).to_numpy(zero_copy_only=False).astype(np.int64)
-    learned = pc.list_flatten(lists).to_numpy(zero_copy_only=False) != IGNORE_INDEX
+    values, rows = _stored(dataset, name)
+    lengths = pc.list_value_length(values).to_numpy().astype(np.int64)
+    learned = pc.list_flatten(values).to_numpy() != IGNORE_INDEX
     ends = np.cumsum(lengths)
     starts = ends - lengths
     running = np.concatenate([[0], np.cumsum(learned, dtype=np.int64)])
     per = running[ends] - running[starts]
     nonempty = lengths > 0
     per[nonempty] -= learned[starts[nonempty]]
-    return per
+    return per if rows is None else per[rows]
+
+
+def _stored(dataset, name: str):
+    """The column as the table under the dataset stores it (every row, no copy), and which of its rows
+    the dataset shows, in order (None: all): a selection is applied to the per-row results, not to the
+    lists, which would copy every token."""
+    indices = getattr(dataset, "_indices", None)  # how `datasets` keeps a selection: a column of rows
+    rows = None if indices is None else indices.column(0).to_numpy()
+    return dataset.data.column(name), rows
 
 
 def pack_starts(lengths: np.ndarray, max_seq_len: int) -> np.ndarray:
