@@ -25,9 +25,9 @@ import logging
 from pathlib import Path
 from typing import Protocol
 
-from liger_cli.data import columns
 from liger_cli.data.cache import keep, look_up
 from liger_cli.data.checks import double_bos, eos_masked_as_pad, eos_masked_message
+from liger_cli.data.columns import numbers, pack_table
 from liger_cli.data.encode import (
     IGNORE_INDEX,
     collate,
@@ -226,9 +226,9 @@ def _finish(split: Split, data_cfg: DataConfig) -> None:
     split.dataset = split.examples.select_columns(kept or list(PAIR_COLUMNS))
     max_len = data_cfg.max_seq_len
     if data_cfg.packing:
-        split.dataset = columns.pack_table(split.dataset, max_len, chunk=PACK_CHUNK)
+        split.dataset = pack_table(split.dataset, max_len, chunk=PACK_CHUNK)
     examples = split.examples
-    n_tokens = int(columns.numbers(examples, "length").sum()) if "input_ids" in examples.column_names else 0
+    n_tokens = int(numbers(examples, "length").sum()) if "input_ids" in examples.column_names else 0
     packed_into = f", packed into {len(split.dataset)} sequences" if data_cfg.packing else ""
     log.info("data: %s: %d examples%s, %d tokens", split.path, len(split.examples), packed_into, n_tokens)
 

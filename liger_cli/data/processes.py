@@ -10,9 +10,9 @@ the machine tokenizes, so the cores are shared out between them.
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
 
 from liger_cli.data.files import quiet_datasets
+from liger_cli.process_state import tokenizers_single_threaded
 
 MIN_ROWS_PER_PROCESS = 2000
 BATCH_ROWS = 1000  # rows per call of the encoding function
@@ -39,7 +39,7 @@ def tokenizing_processes(data_cfg, rows: int) -> int:
 def encode_table(rows, encode_batch, fingerprint: str, processes: int):
     """The encoded table: `encode_batch` mapped over batches of BATCH_ROWS rows by `processes` processes,
     in memory, never from `datasets`' own cache (liger_cli.data.cache is the cache)."""
-    with quiet_datasets(), _tokenizers_single_threaded(processes > 1):
+    with quiet_datasets(), tokenizers_single_threaded(processes > 1):
         return rows.map(
             encode_batch,
             batched=True,
@@ -50,21 +50,3 @@ def encode_table(rows, encode_batch, fingerprint: str, processes: int):
             num_proc=processes if processes > 1 else None,
             new_fingerprint=fingerprint,
         )
-
-
-@contextmanager
-def _tokenizers_single_threaded(forking: bool):
-    """Forked workers each run the tokenizer on one thread (the cores are theirs to share), without the
-    tokenizers library's warning about a fork after its threads were used."""
-    if not forking:
-        yield
-        return
-    before = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("TOKENIZERS_PARALLELISM", None)
-        else:
-            os.environ["TOKENIZERS_PARALLELISM"] = before

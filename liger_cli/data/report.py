@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from liger_cli.data import columns
 from liger_cli.data.build import WARNINGS, Split
+from liger_cli.data.columns import histogram, learned_per_example, list_lengths, numbers, pack_starts
 from liger_cli.data.encode import IGNORE_INDEX
 from liger_cli.data.preference import PAIR_COLUMNS
 from liger_cli.errors import UserError
@@ -90,16 +90,16 @@ def report_text(name: str, split: Split) -> str:
     ex = split.examples
     if is_pairs(split):
         return pairs_text(name, split)
-    lengths = columns.list_lengths(ex, "input_ids")
+    lengths = list_lengths(ex, "input_ids")
     n_tokens = int(lengths.sum())
-    n_learned = int(columns.learned_per_example(ex, "labels").sum())
+    n_learned = int(learned_per_example(ex, "labels").sum())
     dropped = sum(split.dropped.values())
     why = "".join(f"\n    dropped, {reason}: {n}" for reason, n in split.dropped.items())
-    before = columns.numbers(ex, "length")
+    before = numbers(ex, "length")
     packed = (
         split.packing and split.dataset is not None
     )  # a mixture packs the mixed examples, not each source
-    rows = len(split.dataset) if packed else len(columns.pack_starts(lengths, split.max_seq_len))
+    rows = len(split.dataset) if packed else len(pack_starts(lengths, split.max_seq_len))
     efficiency = n_tokens / (rows * split.max_seq_len)
     packing = (
         f"packing: {rows:,} rows of {split.max_seq_len} tokens, {efficiency:.1%} filled"
@@ -139,7 +139,7 @@ def mixture_text(name: str, split: Split) -> str:
 
 def _learned_per_example(split: Split) -> np.ndarray:
     names = ["chosen_labels", "rejected_labels"] if is_pairs(split) else ["labels"]
-    return sum(columns.learned_per_example(split.examples, name) for name in names)
+    return sum(learned_per_example(split.examples, name) for name in names)
 
 
 def source_path(split: Split, k: int) -> Path:
@@ -157,10 +157,8 @@ def pairs_text(name: str, split: Split) -> str:
     dropped = sum(split.dropped.values())
     why = "".join(f"\n    dropped, {reason}: {n}" for reason, n in split.dropped.items())
     same = sum(1 for w in split.warnings if w.code == "CHOSEN_EQUALS_REJECTED")
-    tokens = {
-        part: int(columns.numbers(ex, f"{part}_length").sum()) for part in ("prompt", "chosen", "rejected")
-    }
-    longer = columns.numbers(ex, "length")
+    tokens = {part: int(numbers(ex, f"{part}_length").sum()) for part in ("prompt", "chosen", "rejected")}
+    longer = numbers(ex, "length")
     lines = [
         f"{name}: {_shown(split.path)}",
         f"  pairs: {split.rows:,} rows, {len(ex):,} kept, {split.truncated:,} truncated, {dropped:,} dropped{why}",
@@ -295,7 +293,7 @@ def _length_line(what: str, lengths: np.ndarray) -> str:
 def _histogram(lengths: np.ndarray, max_seq_len: int) -> list[str]:
     """Text bars: HISTOGRAM_BINS equal bins up to max_seq_len, then one for the truncated."""
     width = -(-max_seq_len // HISTOGRAM_BINS)
-    counts = columns.histogram(lengths, max_seq_len, HISTOGRAM_BINS).tolist()
+    counts = histogram(lengths, max_seq_len, HISTOGRAM_BINS).tolist()
     top = max(counts) or 1
     labels = [f"{b * width + 1}-{min((b + 1) * width, max_seq_len)}" for b in range(HISTOGRAM_BINS)]
     labels.append(f"> {max_seq_len}")
