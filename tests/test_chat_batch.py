@@ -129,3 +129,34 @@ def test_a_template_whose_turns_depend_on_later_messages_gets_the_per_turn_path(
     rows = [conversation_of(rng, "plain") for _ in range(20)]
     found = chat_batch.encode_chats(rows, tok)
     assert all(same(a, reference(row, tok)) for a, row in zip(found, rows, strict=True))
+
+
+@pytest.mark.parametrize("family", ["chatml", "qwen3", "gemma"])
+def test_preference_pairs_encoded_together_equal_each_side_through_the_reference(family):
+    from liger_cli.data.preference import encode_pairs_of
+
+    tok = tokenizer_of(family)
+    rng = random.Random(f"pairs-{family}")
+    rows = []
+    for k in range(60):
+        messages = conversation_of(rng, family)["messages"]
+        prompt = [m for m in messages if m["role"] != "assistant"][:3] or [{"role": "user", "content": "hi"}]
+        chosen, rejected = assistant(rng, family), assistant(rng, family)
+        if k % 2:  # an explicit prompt
+            rows.append({"prompt": prompt, "chosen": [chosen], "rejected": [rejected]})
+        else:  # an implicit prompt: whole conversations sharing all but the last message
+            rows.append({"chosen": [*prompt, chosen], "rejected": [*prompt, rejected]})
+    for learn_reasoning in (True, False):
+        found = encode_pairs_of(rows, tok, learn_reasoning)
+        for row, pair in zip(rows, found, strict=True):
+            prompt = row.get("prompt") or row["chosen"][:-1]
+            chats = [{"messages": [*prompt, row[side][-1]]} for side in ("chosen", "rejected")]
+            expected = [reference(c, tok, learn_turns="last", learn_reasoning=learn_reasoning) for c in chats]
+            errors = [e for e in expected if isinstance(e, ValueError)]
+            if errors:
+                assert isinstance(pair, ValueError) and str(pair) == str(errors[0])
+                continue
+            for got, want in zip((pair.chosen, pair.rejected), expected, strict=True):
+                assert got.input_ids == want.input_ids and got.labels == want.labels
+                assert [w[0] for w in got.warnings] == [w[0] for w in want.warnings]
+                assert [t[1:] for t in got.turns] == [t[1:] for t in want.turns]
