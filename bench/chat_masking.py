@@ -1,4 +1,6 @@
-"""What locating assistant turns costs: `encode_chat` against rendering + tokenizing once.
+"""What locating assistant turns costs: `encode_chat` (one rendering per turn, the reference) and
+`encode_chats` (one rendering per row where the template allows it, what `liger data` and `liger train`
+run) against rendering + tokenizing once.
 
     python bench/chat_masking.py [--rows 500]
 
@@ -22,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_chat_templates import family_tokenizer  # noqa: E402
 
 from liger_cli.data.chat import encode_chat  # noqa: E402
+from liger_cli.data.chat_batch import encode_chats  # noqa: E402
 
 
 def conversations(n: int) -> list[dict]:
@@ -53,13 +56,19 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=500)
     rows = conversations(parser.parse_args().rows)
-    print(f"{'family':<8} {'baseline s/1k':>14} {'encode_chat s/1k':>17} {'ratio':>6}")
+    print(
+        f"{'family':<8} {'baseline s/1k':>14} {'encode_chat s/1k':>17} {'ratio':>6} {'encode_chats s/1k':>18} {'ratio':>6}"
+    )
     for family in ("chatml", "qwen3", "llama3", "gemma", "mistral", "marked"):
         tok = family_tokenizer(family)
         base = seconds(lambda r, t=tok: t.apply_chat_template(r["messages"], tokenize=True), rows)
         ours = seconds(lambda r, t=tok: encode_chat(r, t), rows)
+        start = time.perf_counter()
+        encode_chats(rows, tok)
+        batched = time.perf_counter() - start
         scale = 1000 / len(rows)
-        print(f"{family:<8} {base * scale:>14.2f} {ours * scale:>17.2f} {ours / base:>6.1f}")
+        print(f"{family:<8} {base * scale:>14.2f} {ours * scale:>17.2f} {ours / base:>6.1f} "
+              f"{batched * scale:>18.2f} {batched / base:>6.1f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,17 +1,20 @@
-"""Data at scale: tokenizing a 100k-row chat file (first run, cached start, TRL's SFT preprocessing) and the
-peak memory of streaming files of two sizes.
+"""Data at scale: tokenizing a 100k-row chat file (first run, cached start, TRL's SFT preprocessing, the
+default number of processes, a cached `liger data`) and the peak memory of streaming files of two sizes.
 
     python bench/data_at_scale.py [--rows 100000] [--trl-python /path/to/.venv-trl/bin/python]
-                                  [--stream-rows 10000 40000]
+                                  [--stream-rows 10000 40000] [--no-stream]
 
 (a) Writes a synthetic, deterministic chat jsonl (system, user, assistant, user, assistant) and, each in a
     fresh process, times `liger_cli.data.prepare_data` (the function `liger train` and `liger data` call)
-    with an empty cache (tokenizes and writes the cache) and again (reads the cache), and, when
-    `--trl-python` names an interpreter with `trl`, TRL's `SFTTrainer._prepare_dataset` on the same file
-    (a note says so when it is absent). Tokenizer: the quickstart model's (recipes/quickstart/model).
+    with one tokenizing process and an empty cache (tokenizes and writes the cache), then again (reads
+    the cache); when `--trl-python` names an interpreter with `trl`, TRL's `SFTTrainer._prepare_dataset`
+    on the same file (one process, its default; a note says so when it is absent); the first run again
+    with the default `data.num_proc` (an empty cache of its own); and the whole `liger data RECIPE`
+    process on the cached entry against a process that only imports what it needs and loads the same
+    tokenizer (best of 3 each). Tokenizer: the quickstart model's (recipes/quickstart/model).
 (b) Streams text files of two sizes through `liger_cli.data.stream.encoded_stream` (one whole pass) in a
     fresh process each and reports the peak RSS and its growth over the process's RSS before streaming;
-    the cached path (`prepare_data`, cache off) on the same files for contrast.
+    the cached path (`prepare_data`, cache off) on the same files for contrast. `--no-stream` skips it.
 Results are printed and written to bench/results/data_at_scale.json.
 """
 
@@ -67,7 +70,7 @@ def rss_mb() -> float:
 
 
 # ------------------------------------------------------------------------------ children (one measure each)
-def child_liger(file: Path, cache: Path, fmt: str, cache_on: bool) -> dict:
+def child_liger(file: Path, cache: Path, fmt: str, cache_on: bool, num_proc: int | None = None) -> dict:
     from types import SimpleNamespace
 
     from transformers import AutoTokenizer
@@ -76,14 +79,14 @@ def child_liger(file: Path, cache: Path, fmt: str, cache_on: bool) -> dict:
 
     tok = AutoTokenizer.from_pretrained(TOKENIZER)
     cfg = SimpleNamespace(train=file, eval=None, eval_fraction=None, format=fmt, max_seq_len=512,
-                          packing=False, cache=cache_on, cache_dir=cache)  # fmt: skip
+                          packing=False, cache=cache_on, cache_dir=cache, num_proc=num_proc)  # fmt: skip
     before = rss_mb()
     start = time.perf_counter()
     train, _ = prepare_data(cfg, tok, seed=0)
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"seconds": seconds, "cache": train.cache.split(" ")[0], "examples": len(train.examples),
-            "rss_before_mb": before, "peak_rss_mb": peak}  # fmt: skip
+            "processes": train.processes, "rss_before_mb": before, "peak_rss_mb": peak}  # fmt: skip
 
 
 def child_stream(file: Path, fmt: str) -> dict:
@@ -153,9 +156,11 @@ def main() -> None:
     parser.add_argument("--cache", type=Path)
     parser.add_argument("--format", default="chat")
     parser.add_argument("--cache-off", action="store_true")
+    parser.add_argument("--num-proc", type=int, default=1, help="0: the default (liger_cli.data.processes)")
+    parser.add_argument("--no-stream", action="store_true", help="skip (b)")
     a = parser.parse_args()
     if a.child == "liger":
-        print(json.dumps(child_liger(a.file, a.cache, a.format, not a.cache_off)))
+        print(json.dumps(child_liger(a.file, a.cache, a.format, not a.cache_off, a.num_proc or None)))
         return
     if a.child == "stream":
         print(json.dumps(child_stream(a.file, a.format)))
@@ -167,27 +172,36 @@ def main() -> None:
     write_chat(chat, a.rows)
     results: dict = {"rows": a.rows, "file_mb": chat.stat().st_size / 2**20}
     print(f"(a) {a.rows} chat rows, {results['file_mb']:.1f} MiB, tokenizer {TOKENIZER.name}")
-    results["liger_first"] = run_child(me("--child", "liger", "--file", str(chat), "--cache", str(cache)))
-    results["liger_cached"] = run_child(me("--child", "liger", "--file", str(chat), "--cache", str(cache)))
+    liger = lambda cache_dir, procs: run_child(  # noqa: E731
+        me("--child", "liger", "--file", str(chat), "--cache", str(cache_dir), "--num-proc", str(procs))
+    )
+    results["liger_first"] = liger(cache, 1)
+    results["liger_cached"] = liger(cache, 1)
     first, hit = results["liger_first"], results["liger_cached"]
     assert first["cache"] == "built" and hit["cache"] == "hit", (first, hit)
-    print(
-        f"  liger first run (tokenize + write cache): {first['seconds']:.2f} s  ({first['process_s']:.1f} s process)"
-    )
-    print(
-        f"  liger cached start (read cache):          {hit['seconds']:.2f} s  ({hit['process_s']:.1f} s process)"
-    )
-    print(f"  first / cached: {first['seconds'] / hit['seconds']:.0f}x")
+    print(f"  liger first run, 1 process (tokenize + write cache): {first['seconds']:.2f} s  "
+          f"({first['process_s']:.1f} s process)")  # fmt: skip
+    print(f"  liger cached start (read cache):                   {hit['seconds']:.2f} s  "
+          f"({hit['process_s']:.1f} s process)")  # fmt: skip
+    print(f"  cached / first: {hit['seconds'] / first['seconds']:.3f}x")
     if a.trl_python is not None and a.trl_python.exists():
         trl = run_child([str(a.trl_python), "-c", TRL_CHILD, str(chat), str(TOKENIZER)])
         results["trl"] = trl
-        print(
-            f"  TRL {trl['trl']} SFT _prepare_dataset:        {trl['seconds']:.2f} s  ({trl['process_s']:.1f} s process)"
-        )
-        print(f"  TRL / liger first: {trl['seconds'] / first['seconds']:.2f}x; TRL / liger cached: "
-              f"{trl['seconds'] / hit['seconds']:.0f}x")  # fmt: skip
+        print(f"  TRL {trl['trl']} SFT _prepare_dataset, 1 process:      {trl['seconds']:.2f} s  "
+              f"({trl['process_s']:.1f} s process)")  # fmt: skip
+        print(f"  liger first / TRL: {first['seconds'] / trl['seconds']:.2f}x")
     else:
         print("  TRL: skipped (no --trl-python interpreter given or found)")
+    results["liger_first_default"] = default = liger(work / "cache-default", 0)
+    print(f"  liger first run, default num_proc ({default['processes']} processes): {default['seconds']:.2f} s; "
+          f"against 1 process: {default['seconds'] / first['seconds']:.2f}x")  # fmt: skip
+    results["data_command"] = data_command(work, chat, cache)
+    cli = results["data_command"]
+    print(f"  cached `liger data` process: {cli['liger_data_s']:.2f} s; the bare imports it needs "
+          f"({cli['imports']}): {cli['imports_s']:.2f} s; difference {cli['liger_data_s'] - cli['imports_s']:.2f} s")  # fmt: skip
+    if a.no_stream:
+        _write(results)
+        return
 
     print(f"(b) streaming memory, text rows of about 2 KiB, {a.stream_rows[0]} and {a.stream_rows[1]} rows")
     results["stream"] = []
@@ -207,9 +221,46 @@ def main() -> None:
     print(f"  file {large['file_mb'] / small['file_mb']:.1f}x larger: streaming growth "
           f"{grow(large['streaming']) - grow(small['streaming']):+.0f} MiB, cached path growth "
           f"{grow(large['cached_path']) - grow(small['cached_path']):+.0f} MiB")  # fmt: skip
+    _write(results)
+
+
+def _write(results: dict) -> None:
     out = RESULTS / "data_at_scale.json"
     out.write_text(json.dumps(results, indent=2))
     print(f"wrote {out}")
+
+
+BARE_IMPORTS = "datasets, numpy, pyarrow, pydantic, rich, yaml, and the tokenizer loaded by AutoTokenizer"
+
+
+def data_command(work: Path, chat: Path, cache: Path) -> dict:
+    """The whole `liger data RECIPE` process on the cached entry, against a process that only imports
+    what it needs (best of 3 each, interleaved)."""
+    recipe = work / "recipe.yaml"
+    recipe.write_text(
+        json.dumps(
+            {
+                "model": {"path": str(TOKENIZER), "dtype": "float32"},
+                "data": {"train": str(chat), "format": "chat", "max_seq_len": 512, "cache_dir": str(cache)},
+                "training": {"max_steps": 1, "micro_batch_size": 1, "seed": 0},
+                "output": {"dir": str(work / "out")},
+            }
+        )
+    )
+    liger = [str(Path(sys.executable).with_name("liger")), "data", str(recipe)]
+    imports = [sys.executable, "-c", "import datasets, numpy, pyarrow, pydantic, rich, yaml\n"
+               f"from transformers import AutoTokenizer\nAutoTokenizer.from_pretrained({str(TOKENIZER)!r})"]  # fmt: skip
+    times: dict[str, list[float]] = {"liger_data_s": [], "imports_s": []}
+    for _ in range(3):
+        for name, argv in (("liger_data_s", liger), ("imports_s", imports)):
+            start = time.perf_counter()
+            proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO)
+            if proc.returncode != 0:
+                raise SystemExit(f"failed: {' '.join(argv)}\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
+            times[name].append(time.perf_counter() - start)
+            if name == "liger_data_s":
+                assert "cache: hit" in proc.stdout, proc.stdout
+    return {name: min(found) for name, found in times.items()} | {"imports": BARE_IMPORTS}
 
 
 if __name__ == "__main__":

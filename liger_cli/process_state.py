@@ -4,7 +4,8 @@ accelerate keeps its state in process-wide singletons and reads `ACCELERATE_USE_
 `FSDP_TRANSFORMER_CLS_TO_WRAP` from the environment; DeepSpeed picks its accelerator from
 `DS_ACCELERATOR` and its compiled ops from one module-level table; FSDP-1 hides the sizes we check
 in private attributes. On a CPU accelerate silently runs DDP where FSDP or DeepSpeed was asked for
-(see docs/fsdp-facts.md#launching-on-a-cpu), so a few of these must be set by hand. Nothing
+(see docs/fsdp-facts.md#launching-on-a-cpu), so a few of these must be set by hand. The tokenizers
+library reads TOKENIZERS_PARALLELISM (set while the data is tokenized by forked processes). Nothing
 outside this module touches them.
 """
 
@@ -224,3 +225,21 @@ def zero3_hooks_lifted(engine):
         yield
     finally:
         offload._register_deepspeed_module(offload.module)
+
+
+@contextlib.contextmanager
+def tokenizers_single_threaded(forking: bool):
+    """Forked tokenizing processes each run the tokenizer on one thread (the cores are theirs to share),
+    without the tokenizers library's warning about a fork after its threads were used."""
+    if not forking:
+        yield
+        return
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = before

@@ -27,17 +27,18 @@ from typing import Protocol
 
 from liger_cli.data.cache import keep, look_up
 from liger_cli.data.checks import double_bos, eos_masked_as_pad, eos_masked_message
+from liger_cli.data.columns import numbers, pack_table
 from liger_cli.data.encode import (
     IGNORE_INDEX,
     collate,
     encode_instruction,
     encode_text,
-    pack_examples,
     truncate,
 )
-from liger_cli.data.files import FORMAT_FIELDS, ROW_COLUMN, quiet_datasets, where
+from liger_cli.data.files import FORMAT_FIELDS, ROW_COLUMN, where
 from liger_cli.data.mix import fraction_orders, mixture
 from liger_cli.data.preference import PAIR_COLUMNS
+from liger_cli.data.processes import encode_table, tokenizing_processes
 from liger_cli.data.sources import Source, read_rows, sources_of
 from liger_cli.data.split import DROP_COLUMN, WARNINGS_COLUMN, DataWarning, Split, split_of
 from liger_cli.errors import UserError
@@ -59,6 +60,7 @@ WARNINGS = {
 }
 
 TRUNCATED_AWAY = "every learned token is past max_seq_len"
+PACK_CHUNK = 1000  # examples packed together: a packed row never joins examples of two chunks
 
 
 class DataConfig(Protocol):
@@ -121,7 +123,9 @@ def prepare_data(
     rows = {id(e): read_rows(e.source) for e in entries if e.table is None}
     for entry in entries:
         if entry.table is None:
-            keep(entry, _encode(rows.pop(id(entry)), entry.source, data_cfg, tokenizer))
+            source_rows = rows.pop(id(entry))
+            entry.processes = tokenizing_processes(data_cfg, len(source_rows))
+            keep(entry, _encode(source_rows, entry.source, data_cfg, tokenizer))
 
     train_parts, eval_parts = [], []
     for entry in entries[: len(train_sources)]:
@@ -150,14 +154,27 @@ def _kind(fmt: str) -> str:
 
 
 def encoder(fmt: str, data_cfg: DataConfig):
-    """The function row -> Encoded for the format and the recipe's chat options."""
+    """The function (rows, tokenizer) -> each row's Encoded, or the ValueError a template problem of
+    that row raised, for the format and the recipe's chat options."""
     if fmt == "chat":
-        from liger_cli.data.chat import encode_chat
+        from liger_cli.data.chat_batch import encode_chats
 
         turns = getattr(data_cfg, "learn_turns", "all")
         reasoning = getattr(data_cfg, "learn_reasoning", True)
-        return lambda row, tokenizer: encode_chat(row, tokenizer, turns, reasoning)
-    return {"text": encode_text, "instruction": encode_instruction}[fmt]
+        return lambda rows, tokenizer: encode_chats(rows, tokenizer, turns, reasoning)
+    encode = {"text": encode_text, "instruction": encode_instruction}[fmt]
+
+    def each(rows, tokenizer):
+        found = []
+        for row in rows:
+            try:
+                found.append(encode(row, tokenizer))
+            except ValueError as err:
+                found.append(err)
+                break  # the caller stops at the first problem
+        return found
+
+    return each
 
 
 def _shown_path(source: Source) -> Path:
@@ -181,6 +198,7 @@ def _encode(rows, source: Source, data_cfg: DataConfig, tokenizer):
 def _part(entry, data_cfg: DataConfig, order: list[int] | None) -> Split:
     path = _shown_path(entry.source)
     split = split_of(entry.table, path, data_cfg.max_seq_len, data_cfg.packing, order, entry.status)
+    split.processes = entry.processes
     pairs = entry.source.format == "preference"
     if len(split.examples) == 0:
         raise UserError(
@@ -202,23 +220,15 @@ def _part(entry, data_cfg: DataConfig, order: list[int] | None) -> Split:
 def _finish(split: Split, data_cfg: DataConfig) -> None:
     """The dataset training receives: the model's columns, packed when packing is on."""
     names = split.examples.column_names
-    columns = [c for c in ("input_ids", "labels", "position_ids") if c in names]
+    kept = [c for c in ("input_ids", "labels", "position_ids") if c in names]
     if "prompt_ids" in names:  # prompts (online RL), with the file row for the sampling keys
-        columns = ["prompt_ids", "prompt", "fields", "row"]
-    split.dataset = split.examples.select_columns(columns or list(PAIR_COLUMNS))
+        kept = ["prompt_ids", "prompt", "fields", "row"]
+    split.dataset = split.examples.select_columns(kept or list(PAIR_COLUMNS))
     max_len = data_cfg.max_seq_len
     if data_cfg.packing:
-        with quiet_datasets():
-            split.dataset = split.dataset.map(
-                _pack_batch(max_len),
-                batched=True,
-                remove_columns=split.dataset.column_names,
-                batch_size=1000,
-                load_from_cache_file=False,
-                keep_in_memory=True,
-                new_fingerprint=f"liger-packed-{data_cfg.format}-{max_len}-{len(split.examples)}",
-            )
-    n_tokens = sum(split.examples["length"]) if "input_ids" in split.examples.column_names else 0
+        split.dataset = pack_table(split.dataset, max_len, chunk=PACK_CHUNK)
+    examples = split.examples
+    n_tokens = int(numbers(examples, "length").sum()) if "input_ids" in examples.column_names else 0
     packed_into = f", packed into {len(split.dataset)} sequences" if data_cfg.packing else ""
     log.info("data: %s: %d examples%s, %d tokens", split.path, len(split.examples), packed_into, n_tokens)
 
@@ -235,13 +245,11 @@ def batch_encoder(path: Path, fmt: str, data_cfg: DataConfig, tokenizer):
         names = ("input_ids", "labels", "position_ids", "row", "length", DROP_COLUMN, WARNINGS_COLUMN)
         out: dict[str, list] = {name: [] for name in names}
         notes, kept = [], []  # per row: its warnings; per kept row: (position, ids, labels, turns)
-        for j in range(len(batch[ROW_COLUMN])):
-            row = {k: v[j] for k, v in batch.items()}
+        rows = [{k: v[j] for k, v in batch.items()} for j in range(len(batch[ROW_COLUMN]))]
+        for j, (row, enc) in enumerate(zip(rows, encode(rows, tokenizer), strict=True)):
             index = row[ROW_COLUMN]
-            try:
-                enc = encode(row, tokenizer)
-            except ValueError as err:  # a template problem found while rendering this row
-                raise UserError(f"data error: {path} {where(path, index)}: {err}") from None
+            if isinstance(enc, ValueError):  # a template problem found while rendering this row
+                raise UserError(f"data error: {path} {where(path, index)}: {enc}") from None
             found = [list(w) for w in enc.warnings]
             if (bos_message := double_bos(tokenizer, enc.input_ids)) is not None:
                 found.append(["DOUBLE_BOS", start_field, bos_message])
@@ -282,26 +290,8 @@ def batch_encoder(path: Path, fmt: str, data_cfg: DataConfig, tokenizer):
 def _encode_rows(rows, path: Path, fmt: str, data_cfg: DataConfig, tokenizer):
     """Encode and truncate every row (`batch_encoder`), batches of 1000 rows through `datasets`' map."""
     encode_batch, max_len = batch_encoder(path, fmt, data_cfg, tokenizer), data_cfg.max_seq_len
-    with quiet_datasets():
-        return rows.map(
-            encode_batch,
-            batched=True,
-            batch_size=1000,
-            remove_columns=rows.column_names,
-            load_from_cache_file=False,
-            keep_in_memory=True,
-            num_proc=getattr(data_cfg, "num_proc", None),
-            new_fingerprint=f"liger-{fmt}-{max_len}-{len(rows)}",
-        )
-
-
-def _pack_batch(max_seq_len: int):
-    def pack(batch: dict[str, list]) -> dict[str, list]:
-        examples = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
-        packed = pack_examples(examples, max_seq_len)
-        return {k: [p[k] for p in packed] for k in batch}
-
-    return pack
+    fingerprint = f"liger-{fmt}-{max_len}-{len(rows)}"
+    return encode_table(rows, encode_batch, fingerprint, tokenizing_processes(data_cfg, len(rows)))
 
 
 def _log_warnings(warnings: list[DataWarning]) -> None:

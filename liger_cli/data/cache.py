@@ -122,6 +122,8 @@ class Entry:
     key: str | None = None
     table: object | None = None
     status: str = "off"
+    processes: int = 0
+    """How many processes tokenized it in this run (0: read from the cache)."""
 
 
 def look_up(source: Source, data_cfg, tokenizer) -> Entry:

@@ -27,6 +27,7 @@ be what you meant.
 from __future__ import annotations
 
 import re
+import weakref
 
 from liger_cli.data.checks import common_suffix, train_infer_mismatches
 from liger_cli.data.encode import IGNORE_INDEX, Encoded
@@ -36,7 +37,10 @@ REASONING_BLOCK = re.compile(r"<think>(.*?)</think>\s*", re.S)
 
 
 def encode_chat(row: dict, tokenizer, learn_turns: str = "all", learn_reasoning: bool = True) -> Encoded:
-    """Chat row -> Encoded: ids, labels (assistant turns only), the learned turns and warnings."""
+    """Chat row -> Encoded: ids, labels (assistant turns only), the learned turns and warnings.
+
+    The reference: one rendering per turn (liger_cli.data.chat_batch renders once where it can, and
+    must give exactly this)."""
     messages, tools = conversation(row)
     full = render(tokenizer, messages, tools)
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
@@ -45,9 +49,18 @@ def encode_chat(row: dict, tokenizer, learn_turns: str = "all", learn_reasoning:
         turns = _marked_turns(tokenizer, messages, tools, ids, offsets)
     else:
         turns = [
-            (i, *_tokens_inside(offsets, start, end))
+            (i, *tokens_inside(offsets, start, end))
             for i, start, end in assistant_spans(tokenizer, messages, tools, full)
         ]
+    return label_turns(tokenizer, messages, tools, full, ids, offsets, turns, learn_turns, learn_reasoning)
+
+
+def label_turns(
+    tokenizer, messages, tools, full, ids, offsets, turns, learn_turns, learn_reasoning, prompts=None
+) -> Encoded:
+    """The rendered, tokenized conversation and its assistant turns (message index, first token, end
+    token) -> Encoded, with the recipe's options applied and the checks' warnings. `prompts`: the
+    generation prompt's ids for each turn when the caller has them (else they are rendered here)."""
     turns = [t for t in turns if t[2] > t[1]]
     if learn_turns == "last":
         turns = turns[-1:]
@@ -76,7 +89,7 @@ def encode_chat(row: dict, tokenizer, learn_turns: str = "all", learn_reasoning:
     turns = [(i, first, end) for i, first, end in turns if any(learned[first:end])]
     learned_turns = [(_field(i), first, end) for i, first, end in turns]
     warnings += _missing_turn_ends(tokenizer, ids, labels, learned_turns)
-    warnings += train_infer_mismatches(tokenizer, messages, tools, ids, turns)
+    warnings += train_infer_mismatches(tokenizer, messages, tools, ids, turns, prompts)
     return Encoded(ids, labels, learned_turns, warnings)
 
 
@@ -157,17 +170,26 @@ def _marked_turns(tokenizer, messages, tools, ids, offsets) -> list[tuple[int | 
     return [(i, a, b) for i, (a, b) in zip(assistants, runs, strict=True)]
 
 
-def _tokens_inside(offsets, start: int, end: int) -> tuple[int, int]:
+def tokens_inside(offsets, start: int, end: int) -> tuple[int, int]:
     """(first, end) token indices of the tokens with a character in [start, end). A token that
     straddles a boundary (" odd" after a prompt ending in "assistant:") is learned, as transformers'
     assistant mask does."""
-    inside = [t for t, (a, b) in enumerate(offsets) if b > a and a < end and b > start]
-    return (inside[0], inside[-1] + 1) if inside else (0, 0)
+    first = next((t for t, (a, b) in enumerate(offsets) if b > a and a < end and b > start), None)
+    if first is None:
+        return 0, 0
+    last = next(t for t in range(len(offsets) - 1, first - 1, -1) if _overlaps(offsets[t], start, end))
+    return first, last + 1
+
+
+def _overlaps(offset: tuple[int, int], start: int, end: int) -> bool:
+    a, b = offset
+    return b > a and a < end and b > start
 
 
 def _learned_non_assistant(messages, full, offsets, learned, turns) -> list[tuple[str, str, str]]:
     """System, user and tool contents that carry a learned token (a misplaced generation block)."""
     turn_ends = {i: offsets[end - 1][1] for i, _, end in turns if i is not None}
+    learned_tokens = [t for t, keep in enumerate(learned) if keep]
     warnings, cursor = [], 0
     for k, message in enumerate(messages):
         if k in turn_ends:
@@ -179,7 +201,7 @@ def _learned_non_assistant(messages, full, offsets, learned, turns) -> list[tupl
         if pos < 0:
             continue
         cursor = pos + len(content)
-        if any(learned[t] for t, (a, b) in enumerate(offsets) if a < cursor and b > pos):
+        if any(offsets[t][0] < cursor and offsets[t][1] > pos for t in learned_tokens):
             warnings.append(
                 (
                     "NON_ASSISTANT_LEARNED",
@@ -193,13 +215,11 @@ def _learned_non_assistant(messages, full, offsets, learned, turns) -> list[tupl
 
 def _missing_turn_ends(tokenizer, ids, labels, turns) -> list[tuple[str, str, str]]:
     """Learned turns whose last learned token (whitespace aside) is not eos or a special token."""
-    enders = {tokenizer.eos_token_id} | {
-        i for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items() if token.special
-    }
+    enders, blank = _token_facts(tokenizer)
     warnings = []
     for field, first, end in turns:
         kept = [t for t in range(first, end) if labels[t] != IGNORE_INDEX]
-        while kept and not tokenizer.decode([ids[kept[-1]]]).strip():
+        while kept and blank(ids[kept[-1]]):
             kept.pop()
         if kept and ids[kept[-1]] not in enders:
             warnings.append(
@@ -211,6 +231,29 @@ def _missing_turn_ends(tokenizer, ids, labels, turns) -> list[tuple[str, str, st
                 )
             )
     return warnings
+
+
+_FACTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _token_facts(tokenizer):
+    """The ids that end a turn (eos and the special added tokens), and whether a token decodes to
+    whitespace only; kept per tokenizer (and its vocabulary size), as every row asks the same."""
+    size = len(tokenizer)
+    found = _FACTS.get(tokenizer)
+    if found is None or found[0] != size:
+        enders = {tokenizer.eos_token_id} | {
+            i for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items() if token.special
+        }
+        blanks: dict[int, bool] = {}
+
+        def blank(token: int) -> bool:
+            if token not in blanks:
+                blanks[token] = not tokenizer.decode([token]).strip()
+            return blanks[token]
+
+        found = _FACTS[tokenizer] = (size, enders, blank)
+    return found[1], found[2]
 
 
 def _field(message_index: int | None) -> str:

@@ -29,18 +29,26 @@ SHOWN_TOKENS = 6  # tokens shown on each side of a TRAIN_INFER_MISMATCH
 COLLATE_CHUNK = 64  # examples per probe batch of EOS_MASKED_AS_PAD
 
 
-def train_infer_mismatches(tokenizer, messages, tools, ids, turns) -> list[tuple[str, str, str]]:
+def train_infer_mismatches(
+    tokenizer, messages, tools, ids, turns, prompts=None
+) -> list[tuple[str, str, str]]:
     """(code, field, message) for each learned turn (message index, first token, end) whose preceding
-    ids do not end with the ids of the generation prompt for the conversation before it."""
+    ids do not end with the ids of the generation prompt for the conversation before it. `prompts`:
+    those ids by message index when the caller has them (None: not comparable); else rendered here."""
     warnings = []
     for i, first, _ in turns:
         if i is None:
             continue
-        try:
-            prompt = tokenizer.apply_chat_template(
-                messages[:i], tools=tools, add_generation_prompt=True, tokenize=True, return_dict=True
-            )["input_ids"]
-        except Exception:  # noqa: BLE001 - a template that cannot render the prefix: nothing to compare
+        if prompts is not None:
+            prompt = prompts.get(i)
+        else:
+            try:
+                prompt = tokenizer.apply_chat_template(
+                    messages[:i], tools=tools, add_generation_prompt=True, tokenize=True, return_dict=True
+                )["input_ids"]
+            except Exception:  # noqa: BLE001 - a template that cannot render the prefix: nothing to compare
+                prompt = None
+        if prompt is None:
             continue
         before, prompt = list(ids[:first]), list(prompt)
         if len(prompt) <= len(before) and before[len(before) - len(prompt) :] == prompt:

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 IGNORE_INDEX = -100  # the label value transformers' cross-entropy skips
 
@@ -132,6 +134,8 @@ class Collator:
             batch["attention_mask"].append([1] * n + [0] * pad)
         if packed:
             del batch["attention_mask"]
+        import torch  # here, not at the top: `liger data` reads a cached table without it
+
         return {k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}
 
 

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from liger_cli.data.encode import IGNORE_INDEX, Encoded, _encode_with_prefix
-from liger_cli.data.files import ROW_COLUMN, quiet_datasets, where
+from liger_cli.data.files import ROW_COLUMN, where
+from liger_cli.data.processes import encode_table, tokenizing_processes
 from liger_cli.data.split import DROP_COLUMN, WARNINGS_COLUMN
 from liger_cli.errors import UserError
 
@@ -39,28 +40,58 @@ class EncodedPair:
 
 def encode_pair(row: dict, tokenizer, learn_reasoning: bool = True) -> EncodedPair:
     """One row -> the chosen and rejected sequences, each with only its answer learned."""
-    if isinstance(row["chosen"], str):
-        prompt_ids, _ = _encode_with_prefix(tokenizer, row["prompt"])
+    found = encode_pairs_of([row], tokenizer, learn_reasoning)[0]
+    if isinstance(found, ValueError):
+        raise found
+    return found
+
+
+def encode_pairs_of(rows: list[dict], tokenizer, learn_reasoning: bool = True) -> list:
+    """Each row's EncodedPair, or the ValueError a template problem of its chosen (else rejected) side
+    raised. The chat sides of all rows are encoded together (liger_cli.data.chat_batch)."""
+    from liger_cli.data.chat_batch import encode_chats
+
+    chats = [chat for row in rows if not isinstance(row["chosen"], str) for chat, _ in _chat_sides(row)]
+    encoded = iter(encode_chats(chats, tokenizer, "last", learn_reasoning))
+    found = []
+    for row in rows:
+        if isinstance(row["chosen"], str):
+            try:
+                found.append(_text_pair(row, tokenizer))
+            except ValueError as err:
+                found.append(err)
+            continue
         sides = []
-        for side in SIDES:
-            answer = tokenizer(row[side], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-            ids, n = prompt_ids + answer, len(prompt_ids)
-            sides.append(Encoded(ids, [IGNORE_INDEX] * n + answer, [(side, n, len(ids))]))
-        return EncodedPair(*sides)
+        for side, (_, answer) in zip(SIDES, _chat_sides(row), strict=True):
+            enc = next(encoded)
+            if not isinstance(enc, ValueError):
+                field_ = f"{side}[{len(answer) - 1}]"
+                enc.turns = [(field_, first, end) for _, first, end in enc.turns]
+                enc.warnings = [(code, f"{side}: {at}", message) for code, at, message in enc.warnings]
+            sides.append(enc)
+        errors = [enc for enc in sides if isinstance(enc, ValueError)]
+        found.append(errors[0] if errors else EncodedPair(*sides))
+    return found
 
-    from liger_cli.data.chat import encode_chat
 
+def _text_pair(row: dict, tokenizer) -> EncodedPair:
+    prompt_ids, _ = _encode_with_prefix(tokenizer, row["prompt"])
+    sides = []
+    for side in SIDES:
+        answer = tokenizer(row[side], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        ids, n = prompt_ids + answer, len(prompt_ids)
+        sides.append(Encoded(ids, [IGNORE_INDEX] * n + answer, [(side, n, len(ids))]))
+    return EncodedPair(*sides)
+
+
+def _chat_sides(row: dict) -> list[tuple[dict, list]]:
+    """The chosen and rejected conversations as chat rows, each with its answer's messages."""
     prompt = list(row["prompt"]) if row.get("prompt") is not None else list(row["chosen"][:-1])
     sides = []
     for side in SIDES:
         answer = list(row[side]) if row.get("prompt") is not None else [row[side][-1]]
-        chat_row = {"messages": prompt + answer, "tools": row.get("tools")}
-        enc = encode_chat(chat_row, tokenizer, learn_turns="last", learn_reasoning=learn_reasoning)
-        field_ = f"{side}[{len(answer) - 1}]"
-        enc.turns = [(field_, first, end) for _, first, end in enc.turns]
-        enc.warnings = [(code, f"{side}: {where_}", message) for code, where_, message in enc.warnings]
-        sides.append(enc)
-    return EncodedPair(*sides)
+        sides.append(({"messages": prompt + answer, "tools": row.get("tools")}, answer))
+    return sides
 
 
 def prompt_length(enc: Encoded) -> int:
@@ -103,13 +134,11 @@ def encode_pairs(rows, path: Path, data_cfg, tokenizer):
     def encode_batch(batch: dict[str, list]) -> dict[str, list]:
         names = (*PAIR_COLUMNS, "row", "prompt_length", "chosen_length", "rejected_length", "length")
         out: dict[str, list] = {name: [] for name in (*names, DROP_COLUMN, WARNINGS_COLUMN)}
-        for j in range(len(batch[ROW_COLUMN])):
-            row = {k: v[j] for k, v in batch.items()}
+        rows = [{k: v[j] for k, v in batch.items()} for j in range(len(batch[ROW_COLUMN]))]
+        for row, pair in zip(rows, encode_pairs_of(rows, tokenizer, learn_reasoning), strict=True):
             index = row[ROW_COLUMN]
-            try:
-                pair = encode_pair(row, tokenizer, learn_reasoning)
-            except ValueError as err:  # a template problem found while rendering this row
-                raise UserError(f"data error: {path} {where(path, index)}: {err}") from None
+            if isinstance(pair, ValueError):  # a template problem found while rendering this row
+                raise UserError(f"data error: {path} {where(path, index)}: {pair}") from None
             found = [list(w) for enc in (pair.chosen, pair.rejected) for w in enc.warnings]
             answers = [enc.input_ids[prompt_length(enc) :] for enc in (pair.chosen, pair.rejected)]
             if answers[0] == answers[1]:
@@ -132,14 +161,9 @@ def encode_pairs(rows, path: Path, data_cfg, tokenizer):
             out[WARNINGS_COLUMN].append(json.dumps(found))
         return out
 
-    with quiet_datasets():
-        return rows.map(
-            encode_batch,
-            batched=True,
-            batch_size=1000,
-            remove_columns=rows.column_names,
-            load_from_cache_file=False,
-            keep_in_memory=True,
-            num_proc=getattr(data_cfg, "num_proc", None),
-            new_fingerprint=f"liger-preference-{max_len}-{len(rows)}",
-        )
+    return encode_table(
+        rows,
+        encode_batch,
+        f"liger-preference-{max_len}-{len(rows)}",
+        tokenizing_processes(data_cfg, len(rows)),
+    )

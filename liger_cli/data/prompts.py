@@ -13,7 +13,8 @@ import json
 from pathlib import Path
 
 from liger_cli.data.encode import _encode_with_prefix
-from liger_cli.data.files import ROW_COLUMN, quiet_datasets, where
+from liger_cli.data.files import ROW_COLUMN, where
+from liger_cli.data.processes import encode_table, tokenizing_processes
 from liger_cli.data.split import DROP_COLUMN, WARNINGS_COLUMN
 from liger_cli.errors import UserError
 
@@ -59,14 +60,6 @@ def encode_prompts(rows, path: Path, data_cfg, tokenizer):
             out[WARNINGS_COLUMN].append("[]")
         return out
 
-    with quiet_datasets():
-        return rows.map(
-            encode_batch,
-            batched=True,
-            batch_size=1000,
-            remove_columns=rows.column_names,
-            load_from_cache_file=False,
-            keep_in_memory=True,
-            num_proc=getattr(data_cfg, "num_proc", None),
-            new_fingerprint=f"liger-prompt-{len(rows)}",
-        )
+    return encode_table(
+        rows, encode_batch, f"liger-prompt-{len(rows)}", tokenizing_processes(data_cfg, len(rows))
+    )

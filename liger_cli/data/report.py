@@ -15,7 +15,10 @@ import json
 import logging
 from pathlib import Path
 
+import numpy as np
+
 from liger_cli.data.build import WARNINGS, Split
+from liger_cli.data.columns import histogram, learned_per_example, list_lengths, numbers, pack_starts
 from liger_cli.data.encode import IGNORE_INDEX
 from liger_cli.data.preference import PAIR_COLUMNS
 from liger_cli.errors import UserError
@@ -87,15 +90,16 @@ def report_text(name: str, split: Split) -> str:
     ex = split.examples
     if is_pairs(split):
         return pairs_text(name, split)
-    lengths = [len(ids) for ids in ex["input_ids"]]
-    n_tokens = sum(lengths)
-    n_learned = sum(sum(1 for label in labels[1:] if label != IGNORE_INDEX) for labels in ex["labels"])
+    lengths = list_lengths(ex, "input_ids")
+    n_tokens = int(lengths.sum())
+    n_learned = int(learned_per_example(ex, "labels").sum())
     dropped = sum(split.dropped.values())
     why = "".join(f"\n    dropped, {reason}: {n}" for reason, n in split.dropped.items())
+    before = numbers(ex, "length")
     packed = (
         split.packing and split.dataset is not None
     )  # a mixture packs the mixed examples, not each source
-    rows = len(split.dataset) if packed else _packed_rows(lengths, split.max_seq_len)
+    rows = len(split.dataset) if packed else len(pack_starts(lengths, split.max_seq_len))
     efficiency = n_tokens / (rows * split.max_seq_len)
     packing = (
         f"packing: {rows:,} rows of {split.max_seq_len} tokens, {efficiency:.1%} filled"
@@ -107,10 +111,10 @@ def report_text(name: str, split: Split) -> str:
         f"  examples: {split.rows:,} rows, {len(ex):,} kept, {split.truncated:,} truncated, {dropped:,} dropped{why}",
         f"  tokens: {n_tokens:,}, learned {n_learned:,} ({n_learned / max(n_tokens, 1):.1%})",
         f"  {packing}",
-        f"  length (tokens before truncation): min {min(ex['length'])}, "
-        f"median {sorted(ex['length'])[len(ex) // 2]}, max {max(ex['length'])}",
-        *_histogram(ex["length"], split.max_seq_len),
+        _length_line("length (tokens before truncation)", before),
+        *_histogram(before, split.max_seq_len),
         f"  cache: {split.cache}",
+        _tokenized_line(split),
     ]
     return "\n".join(lines)
 
@@ -118,7 +122,7 @@ def report_text(name: str, split: Split) -> str:
 def mixture_text(name: str, split: Split) -> str:
     """Each source's share of the mixture: of its examples and of its learned tokens."""
     learned = [_learned_per_example(share.split) for share in split.shares]
-    tokens = [sum(per[j] for j in share.taken) for per, share in zip(learned, split.shares, strict=True)]
+    tokens = [int(per[share.taken].sum()) for per, share in zip(learned, split.shares, strict=True)]
     total_ex, total_tok = max(len(split.examples), 1), max(sum(tokens), 1)
     weights = sum(share.weight for share in split.shares)
     what = "pairs" if is_pairs(split) else "examples"
@@ -133,13 +137,9 @@ def mixture_text(name: str, split: Split) -> str:
     return "\n".join(lines)
 
 
-def _learned_per_example(split: Split) -> list[int]:
-    columns = ["chosen_labels", "rejected_labels"] if is_pairs(split) else ["labels"]
-    found = [0] * len(split.examples)
-    for column in columns:
-        for k, labels in enumerate(split.examples[column]):
-            found[k] += sum(1 for label in labels[1:] if label != IGNORE_INDEX)
-    return found
+def _learned_per_example(split: Split) -> np.ndarray:
+    names = ["chosen_labels", "rejected_labels"] if is_pairs(split) else ["labels"]
+    return sum(learned_per_example(split.examples, name) for name in names)
 
 
 def source_path(split: Split, k: int) -> Path:
@@ -157,16 +157,17 @@ def pairs_text(name: str, split: Split) -> str:
     dropped = sum(split.dropped.values())
     why = "".join(f"\n    dropped, {reason}: {n}" for reason, n in split.dropped.items())
     same = sum(1 for w in split.warnings if w.code == "CHOSEN_EQUALS_REJECTED")
-    tokens = {part: sum(ex[f"{part}_length"]) for part in ("prompt", "chosen", "rejected")}
+    tokens = {part: int(numbers(ex, f"{part}_length").sum()) for part in ("prompt", "chosen", "rejected")}
+    longer = numbers(ex, "length")
     lines = [
         f"{name}: {_shown(split.path)}",
         f"  pairs: {split.rows:,} rows, {len(ex):,} kept, {split.truncated:,} truncated, {dropped:,} dropped{why}",
         "  tokens (before truncation): " + ", ".join(f"{part} {n:,}" for part, n in tokens.items()),
         f"  pairs whose chosen == rejected: {same:,}",
-        f"  length of the longer side (tokens before truncation): min {min(ex['length'])}, "
-        f"median {sorted(ex['length'])[len(ex) // 2]}, max {max(ex['length'])}",
-        *_histogram(ex["length"], split.max_seq_len),
+        _length_line("length of the longer side (tokens before truncation)", longer),
+        *_histogram(longer, split.max_seq_len),
         f"  cache: {split.cache}",
+        _tokenized_line(split),
     ]
     return "\n".join(lines)
 
@@ -277,22 +278,22 @@ def _runs(keys: list) -> list[tuple[int, int]]:
     return runs
 
 
-def _packed_rows(lengths: list[int], max_seq_len: int) -> int:
-    """How many rows the greedy packer (encode.pack_examples) fills with examples of these lengths."""
-    rows, used = 0, 0
-    for n in lengths:
-        if rows == 0 or used + n > max_seq_len:
-            rows, used = rows + 1, 0
-        used += n
-    return rows
+def _tokenized_line(split: Split) -> str:
+    if not split.processes:
+        return "  tokenized: read from the cache"
+    return f"  tokenized: by {split.processes} process{'es' if split.processes > 1 else ''}"
 
 
-def _histogram(lengths: list[int], max_seq_len: int) -> list[str]:
+def _length_line(what: str, lengths: np.ndarray) -> str:
+    """min, median (the upper one of an even count, as sorted(...)[n // 2]) and max."""
+    median = np.sort(lengths)[len(lengths) // 2]
+    return f"  {what}: min {lengths.min()}, median {median}, max {lengths.max()}"
+
+
+def _histogram(lengths: np.ndarray, max_seq_len: int) -> list[str]:
     """Text bars: HISTOGRAM_BINS equal bins up to max_seq_len, then one for the truncated."""
     width = -(-max_seq_len // HISTOGRAM_BINS)
-    counts = [0] * (HISTOGRAM_BINS + 1)
-    for n in lengths:
-        counts[min((n - 1) // width, HISTOGRAM_BINS) if n <= max_seq_len else HISTOGRAM_BINS] += 1
+    counts = histogram(lengths, max_seq_len, HISTOGRAM_BINS).tolist()
     top = max(counts) or 1
     labels = [f"{b * width + 1}-{min((b + 1) * width, max_seq_len)}" for b in range(HISTOGRAM_BINS)]
     labels.append(f"> {max_seq_len}")

@@ -53,6 +53,8 @@ class Split:
     warnings: list[DataWarning] = field(default_factory=list)
     cache: str = "off"
     """What the tokenized-data cache did: "hit (path)", "built (path)" or "off"."""
+    processes: int = 0
+    """How many processes tokenized the source in this run (0: read from the cache)."""
     shares: list[Share] = field(default_factory=list)
     """A mixture's sources (empty for one source)."""
     source_of: list[int] = field(default_factory=list)
@@ -63,21 +65,33 @@ def split_of(
     table, path: Path, max_seq_len: int, packing: bool, order: list[int] | None, cache: str
 ) -> Split:
     """The Split of the table's rows at `order` (all, in order, when None): kept examples in that order,
-    dropped rows counted by reason, warnings, truncations."""
-    drops = table.data.column(DROP_COLUMN).to_pylist()
-    notes = table.data.column(WARNINGS_COLUMN).to_pylist()
-    rows = table.data.column("row").to_pylist()
-    lengths = table.data.column("length").to_pylist()
-    order = range(len(table)) if order is None else order
+    dropped rows counted by reason, warnings, truncations. Column operations: only the rows that carry
+    a warning or a drop reason are looked at one by one."""
+    import numpy as np
+    import pyarrow.compute as pc
+
+    data = table.data
+    order = np.arange(len(table)) if order is None else np.asarray(order, dtype=np.int64)
+    dropped = pc.not_equal(data.column(DROP_COLUMN), "").to_numpy(zero_copy_only=False)[order]
+    noted = pc.invert(pc.is_in(data.column(WARNINGS_COLUMN), value_set=_no_warnings()))
+    noted = noted.to_numpy(zero_copy_only=False)[order]
     split = Split(path, len(order), None, None, max_seq_len, packing, cache=cache)
-    kept = []
-    for i in order:
-        for code, field_, message in json.loads(notes[i]) if notes[i] else []:
-            split.warnings.append(DataWarning(code, path, rows[i], field_, message))
-        if drops[i]:
-            split.dropped[drops[i]] = split.dropped.get(drops[i], 0) + 1
-            continue
-        kept.append(i)
-        split.truncated += lengths[i] > max_seq_len
+    if noted.any():
+        at = order[noted]
+        rows = data.column("row").take(at).to_pylist()
+        for i, notes in zip(rows, data.column(WARNINGS_COLUMN).take(at).to_pylist(), strict=True):
+            for code, field_, message in json.loads(notes):
+                split.warnings.append(DataWarning(code, path, i, field_, message))
+    for reason in data.column(DROP_COLUMN).take(order[dropped]).to_pylist():
+        split.dropped[reason] = split.dropped.get(reason, 0) + 1
+    kept = order[~dropped]
+    lengths = data.column("length").to_numpy()
+    split.truncated = int((lengths[kept] > max_seq_len).sum())
     split.examples = table.select(kept, keep_in_memory=True).remove_columns([DROP_COLUMN, WARNINGS_COLUMN])
     return split
+
+
+def _no_warnings():
+    import pyarrow as pa
+
+    return pa.array(["", "[]"])

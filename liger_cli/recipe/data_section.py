@@ -82,7 +82,8 @@ class DataSection(_Section):
     cache_dir: RelPath | None = None
     """Where the cache lives; default $LIGER_CACHE/data, else ~/.cache/liger/data (XDG_CACHE_HOME)."""
     num_proc: int | None = Field(None, ge=1)
-    """Processes that tokenize in parallel (datasets' map num_proc)."""
+    """Processes that tokenize in parallel (datasets' map num_proc); default: every usable core, at most one
+    per 2000 rows (liger_cli.data.processes)."""
     streaming: bool = False
     """Read data.train as a stream (liger_cli.data.stream): never loaded whole, tokenized ahead of the loop."""
 
