@@ -30,6 +30,8 @@ class WrapResolution:
     classes: list[str]
     source: str
     warnings: list[WrapWarning] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)  # `_no_split_modules` names the model lacks
+    added: list[str] = field(default_factory=list)  # a VLM's vision classes `_no_split_modules` left out
 
 
 def split_names(value: str | Iterable[str] | None) -> list[str]:
@@ -76,8 +78,9 @@ def resolve_wrap_classes(
 
     A level that names nothing after cleaning ("", " , ") counts as unset. Names the user gave must match a
     class in the model (a PeftModel is looked through: its modules are the base model's); the error lists
-    the classes the model has. `_no_split_modules` entries the model lacks are dropped, since accelerate
-    would fail on them and the user never wrote them. `recipe_origin` names where `recipe_value` came
+    the classes the model has. `_no_split_modules` entries the model lacks are dropped (and listed in
+    `dropped`), since accelerate would fail on them and the user never wrote them; a VLM's vision block
+    and tower classes are added where `_no_split_modules` leaves them out (listed in `added`). `recipe_origin` names where `recipe_value` came
     from in that error (a command-line option overriding the recipe, say).
     """
     env = os.environ if env is None else env
@@ -95,11 +98,29 @@ def resolve_wrap_classes(
             )
         return WrapResolution(names, source)
 
-    names = [name for name in split_names(no_split_modules(model)) if name in present]
-    if names:
-        return WrapResolution(names, "no_split_modules")
+    named = split_names(no_split_modules(model))
+    names = [name for name in named if name in present]
+    dropped = [name for name in named if name not in present]
+    added = [name for name in vision_classes(model) if name not in names]
+    if names or added:
+        return WrapResolution(names + added, "no_split_modules", dropped=dropped, added=added)
     root_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return WrapResolution([], "none", [no_wrap_warning(model, root_bytes)])
+    return WrapResolution([], "none", [no_wrap_warning(model, root_bytes)], dropped=dropped)
+
+
+def vision_classes(model: nn.Module) -> list[str]:
+    """A VLM's units: its language model's and its vision tower's block classes (some `_no_split_modules`
+    name only the attention, or nothing), then the tower class itself, so that the tower's other parameters
+    (patch embedding, norms), frozen by default, do not share the root unit with the trainable projector
+    and language model (FSDP-1 flattens a unit into one tensor). [] for a text model."""
+    from liger_cli.model.vision import block_classes, is_vision_language, language_model, vision_tower
+
+    tower = vision_tower(model)
+    config = getattr(model, "config", None)
+    if tower is None and (config is None or not is_vision_language(config)):
+        return []
+    blocks = [*block_classes(language_model(model)), *block_classes(tower)]
+    return list(dict.fromkeys([*blocks, *([type(tower).__name__] if tower is not None else [])]))
 
 
 def no_wrap_warning(model: nn.Module, root_bytes: int) -> WrapWarning:
