@@ -42,8 +42,18 @@ def vision_tower(model: nn.Module) -> nn.Module | None:
         tower = base.get_encoder(modality="image")
     except (AttributeError, TypeError, ValueError):
         tower = None
-    if isinstance(tower, nn.Module) and tower is not base and any(True for _ in tower.parameters()):
-        return tower
+    try:
+        embed = base.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        embed = None
+    text_inside = embed is not None and any(m is embed for m in getattr(tower, "modules", list)())
+    if (
+        isinstance(tower, nn.Module)
+        and tower is not base
+        and not text_inside
+        and any(True for _ in tower.parameters())
+    ):
+        return tower  # not an encoder that also reads the text (T5Gemma 2's)
     vision_config = getattr(getattr(base, "config", None), "vision_config", None)
     if vision_config is None:
         return None

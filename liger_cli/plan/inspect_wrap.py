@@ -158,9 +158,7 @@ def _train_vision(built: nn.Module, vision: str | None, lora: bool) -> nn.Module
         raise UserError(f"--vision {vision}: this model has no vision tower; leave --vision out")
     mode = vision or "frozen"
     if mode == "lora" and not lora:
-        raise UserError(
-            "--vision lora needs --lora (LoRA adapters in the vision tower and the language model)"
-        )
+        raise UserError("--vision lora puts LoRA adapters into the vision tower: add --lora")
     if lora and not _has_adapter(built):
         built = apply_default_lora(built, exclude=tower if mode != "lora" else None)
     freeze_vision(built, mode)

@@ -29,6 +29,10 @@ def render_report(report: WrapReport) -> str:
     ]
     if report.added_vision:
         lines.append(f"Vision classes added to the wrap classes: {', '.join(report.added_vision)}")
+    if report.kept_whole:
+        lines.append(
+            f"Not wrapped, since a unit of theirs would split a shared weight: {', '.join(report.kept_whole)}"
+        )
     if report.dropped_no_split:
         lines.append(
             f"_no_split_modules names this model does not contain (dropped): {', '.join(report.dropped_no_split)}"

@@ -66,7 +66,10 @@ class WrapReport:
     parts: list[Part] = field(default_factory=list)  # a VLM's parts; empty for a text model
     mixed_units: list[str] = field(default_factory=list)  # units holding frozen and trainable parameters
     dropped_no_split: list[str] = field(default_factory=list)  # `_no_split_modules` names the model lacks
-    added_vision: list[str] = field(default_factory=list)  # vision classes liger added to the wrap classes
+    added_vision: list[str] = field(default_factory=list)  # VLM classes liger added to the wrap classes
+    kept_whole: list[str] = field(
+        default_factory=list
+    )  # classes not wrapped: they would split a shared weight
 
     def to_json(self) -> dict:
         data = asdict(self)

@@ -31,7 +31,8 @@ class WrapResolution:
     source: str
     warnings: list[WrapWarning] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)  # `_no_split_modules` names the model lacks
-    added: list[str] = field(default_factory=list)  # a VLM's vision classes `_no_split_modules` left out
+    added: list[str] = field(default_factory=list)  # a VLM's block/tower classes `_no_split_modules` left out
+    kept_whole: list[str] = field(default_factory=list)  # not wrapped: a unit would split a shared weight
 
 
 def split_names(value: str | Iterable[str] | None) -> list[str]:
@@ -102,10 +103,36 @@ def resolve_wrap_classes(
     names = [name for name in named if name in present]
     dropped = [name for name in named if name not in present]
     added = [name for name in vision_classes(model) if name not in names]
+    splitting = set(splitting_classes(model, names + added))  # a tied weight must stay in one unit
+    names, added = [n for n in names if n not in splitting], [n for n in added if n not in splitting]
+    kept = sorted(splitting)
     if names or added:
-        return WrapResolution(names + added, "no_split_modules", dropped=dropped, added=added)
+        return WrapResolution(
+            names + added, "no_split_modules", dropped=dropped, added=added, kept_whole=kept
+        )
     root_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return WrapResolution([], "none", [no_wrap_warning(model, root_bytes)], dropped=dropped)
+    return WrapResolution([], "none", [no_wrap_warning(model, root_bytes)], dropped=dropped, kept_whole=kept)
+
+
+def splitting_classes(model: nn.Module, names: Sequence[str]) -> list[str]:
+    """The classes among `names` whose units would split a shared parameter (tied embeddings, UDOP's
+    relative bias): a module of the class holds a parameter that a module outside it holds too."""
+    holders: dict[int, set[int]] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            holders.setdefault(id(param), set()).add(id(module))
+    shared = {key for key, held in holders.items() if len(held) > 1}
+    if not shared:
+        return []
+    found = []
+    for module in model.modules():
+        name = type(module).__name__
+        if module is model or name not in names or name in found:
+            continue
+        inside = {id(m) for m in module.modules()}
+        if any(key in shared and not holders[key] <= inside for key in map(id, module.parameters())):
+            found.append(name)
+    return found
 
 
 def vision_classes(model: nn.Module) -> list[str]:

@@ -52,9 +52,9 @@ def plan_units(
         raise UserError(f"num_processes must be at least 1, got {num_processes}")
     if isinstance(classes, WrapResolution):
         names, source, warnings = list(classes.classes), classes.source, list(classes.warnings)
-        dropped, added = list(classes.dropped), list(classes.added)
+        dropped, added, kept = list(classes.dropped), list(classes.added), list(classes.kept_whole)
     else:
-        names, source, warnings, dropped, added = split_names(classes), "given", [], [], []
+        names, source, warnings, dropped, added, kept = split_names(classes), "given", [], [], [], []
 
     groups = _unit_groups(model, names, backend)
     module_unit, owners = _ownership(model, groups)
@@ -121,6 +121,7 @@ def plan_units(
         parts=vlm_parts(model, output_embed),
         dropped_no_split=dropped,
         added_vision=added,
+        kept_whole=kept,
     )
     report.mixed_units = [u.path for u in units if 0 < u.trainable_params < u.params]
     if 0 < report.root_trainable_params < report.root_params:
