@@ -280,3 +280,70 @@ def test_cli_lora_stays_out_of_a_frozen_tower(tmp_path):
     assert done.returncode == 2 and "has no vision tower" in done.stderr
     done = run_cli(folder, "--vision", "half")
     assert done.returncode == 2 and "choose frozen, lora or full" in done.stderr
+
+
+FSDP1_SCRIPT = r"""
+import json, sys, warnings
+warnings.simplefilter("ignore")
+import torch, torch.distributed as dist
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from transformers import AutoConfig, AutoModelForImageTextToText
+from liger_cli.plan.inspect_wrap import _train_vision
+
+def units_of(model):
+    names = {id(m): n.replace("_fsdp_wrapped_module.", "").removesuffix("._fsdp_wrapped_module") or "(root)"
+             for n, m in model.named_modules()}
+    return {names[id(m)]: sum(s.numel() for s in m._handle.flat_param._shapes) if m._handle else 0
+            for m in model.modules() if isinstance(m, FSDP)}
+
+dist.init_process_group("gloo", rank=0, world_size=1)
+results = []
+for names, use_orig_params in json.loads(sys.argv[2]):
+    AcceleratorState._reset_state(True)
+    model = _train_vision(AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(sys.argv[1])), None, False)
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=1, auto_wrap_policy="transformer_based_wrap",
+                                            transformer_cls_names_to_wrap=names, use_orig_params=use_orig_params)
+    accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
+    state = AcceleratorState()  # real FSDP on CPU: set the type before prepare
+    state.distributed_type, state.device, state.fsdp_plugin = DistributedType.FSDP, torch.device("cpu"), plugin
+    try:
+        model = accelerator.prepare(model)
+        results.append({"units": units_of(model)})
+    except ValueError as err:
+        results.append({"error": str(err)})
+print("RESULT " + json.dumps(results))
+dist.destroy_process_group()
+"""
+
+
+def test_real_fsdp1_builds_the_planned_units_and_the_frozen_tower_failure(tmp_path):
+    """accelerate's FSDP-1 (gloo, one process) on a tiny LLaVA with its tower frozen: the default plan's units
+    are exactly what FSDP builds, even without use_orig_params; the layers-only plan that leaves the tower
+    in the root unit with the projector fails as the field saw it, and the plan warned."""
+    import os
+
+    folder = tiny_folder("llava", str(tmp_path))
+    model = _train_vision(build_meta_model(str(folder)), None, False)
+    default = resolve_wrap_classes(model, env={})
+    layers_only = ["LlamaDecoderLayer", "CLIPEncoderLayer"]
+    cases = [(default.classes, False), (default.classes, True), (layers_only, False)]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29900 + os.getpid() % 90)}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", FSDP1_SCRIPT, str(folder), json.dumps(cases)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    strict, orig, broken = json.loads(done.stdout.split("RESULT ", 1)[1])
+    report = plan_units(model, default, "fsdp1", 1, check_ambient_config=False)
+    planned = {u.path: u.params for u in report.units} | {ROOT: report.root_params}
+    assert strict["units"] == planned and orig["units"] == planned
+    assert "uniform `requires_grad`" in broken["error"]
+    warned = plan_units(model, layers_only, "fsdp1", 1, check_ambient_config=False)
+    assert "FSDP1_FROZEN_VISION_SHARED" in [w.code for w in warned.warnings]
