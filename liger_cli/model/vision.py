@@ -35,30 +35,43 @@ def _base(model: nn.Module) -> nn.Module:
 
 
 def vision_tower(model: nn.Module) -> nn.Module | None:
-    """The image encoder: transformers' `get_encoder(modality="image")`, else the submodule built from
-    `config.vision_config`; None for a model without one (a text model, a tower-less VLM such as Fuyu)."""
+    """The image encoder, None for a model without one (a text model, a tower-less VLM such as Fuyu).
+
+    In order: transformers' `get_encoder(modality="image")`; the submodule built from `config.vision_config`;
+    the outermost submodule of transformers' whose main input is `pixel_values` (a tower nested in a
+    sub-model, as in PI0 or T5Gemma 2, or named `encoder`, as in VisionEncoderDecoder). A candidate that
+    also holds the text embeddings (T5Gemma 2's encoder) is not the vision tower.
+    """
     base = _base(model)
-    try:
-        tower = base.get_encoder(modality="image")
-    except (AttributeError, TypeError, ValueError):
-        tower = None
     try:
         embed = base.get_input_embeddings()
     except (AttributeError, NotImplementedError):
         embed = None
-    text_inside = embed is not None and any(m is embed for m in getattr(tower, "modules", list)())
-    if (
-        isinstance(tower, nn.Module)
-        and tower is not base
-        and not text_inside
-        and any(True for _ in tower.parameters())
-    ):
-        return tower  # not an encoder that also reads the text (T5Gemma 2's)
+
+    def tower_like(module) -> bool:
+        return (
+            isinstance(module, nn.Module)
+            and module is not base
+            and not any(m is embed for m in module.modules())
+            and any(True for _ in module.parameters())
+        )
+
+    try:
+        tower = base.get_encoder(modality="image")
+    except (AttributeError, TypeError, ValueError):
+        tower = None
+    if tower_like(tower):
+        return tower
     vision_config = getattr(getattr(base, "config", None), "vision_config", None)
-    if vision_config is None:
-        return None
     for module in base.modules():
-        if module is not base and getattr(module, "config", None) is vision_config:
+        if (
+            vision_config is not None
+            and getattr(module, "config", None) is vision_config
+            and tower_like(module)
+        ):
+            return module
+    for module in base.modules():
+        if getattr(module, "main_input_name", None) == "pixel_values" and tower_like(module):
             return module
     return None
 
