@@ -189,8 +189,10 @@ def inspect_wrap(
     if device_memory is not None and recipe is None:
         raise UserError("--device-memory needs --recipe: the memory plan is a recipe's")
     memory_bytes = _device_memory(device_memory) if recipe is not None else None
-    if vision is not None and vision not in ("frozen", "lora", "full"):
-        raise UserError(f"--vision {vision!r}: choose frozen, lora or full")
+    from liger_cli.model.vision import VISION_MODES
+
+    if vision is not None and vision not in VISION_MODES:
+        raise UserError(f"--vision {vision!r}: choose {', '.join(VISION_MODES)}")
 
     raise typer.Exit(
         inspect_command(

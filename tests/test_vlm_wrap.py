@@ -20,7 +20,7 @@ import pytest
 from torch import nn
 
 from liger_cli.errors import UserError
-from liger_cli.plan.inspect_wrap import _train_vision, build_meta_model
+from liger_cli.plan.inspect_wrap import apply_vision_mode, build_meta_model
 from liger_cli.plan.wrap import ROOT, plan_units, render_report, resolve_wrap_classes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -179,7 +179,7 @@ def sweep(tmp_path_factory) -> dict[str, dict]:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 model, sizes = build_default(model_type, folder)
-                model = _train_vision(model, None, False)
+                model = apply_vision_mode(model, None, False)
         except (UserError, Exception) as err:
             rows[model_type] = {"built": False, "reason": _first_line(err)}
             continue
@@ -242,7 +242,7 @@ def test_detection_goes_by_the_config(tmp_path):
 
 
 def test_frozen_tower_sharing_a_unit_is_reported_under_fsdp1(tmp_path):
-    model = _train_vision(build_meta_model(str(tiny_folder("llava", str(tmp_path)))), None, False)
+    model = apply_vision_mode(build_meta_model(str(tiny_folder("llava", str(tmp_path)))), None, False)
     default = plan_units(model, resolve_wrap_classes(model, env={}), "fsdp1", 2, check_ambient_config=False)
     assert "CLIPVisionModel" in default.wrap_classes and default.warnings == []
     assert "model.vision_tower" in {u.path for u in default.units}
@@ -264,7 +264,7 @@ def test_frozen_tower_sharing_a_unit_is_reported_under_fsdp1(tmp_path):
     fsdp2 = plan_units(model, layers_only, "fsdp2", 2, check_ambient_config=False)
     assert "FSDP1_FROZEN_VISION_SHARED" not in [w.code for w in fsdp2.warnings]
 
-    full = _train_vision(build_meta_model(str(tiny_folder("llava", str(tmp_path)))), "full", False)
+    full = apply_vision_mode(build_meta_model(str(tiny_folder("llava", str(tmp_path)))), "full", False)
     assert all(p.requires_grad for p in full.parameters())
     assert "FSDP1_FROZEN_VISION_SHARED" not in [
         w.code for w in plan_units(full, layers_only, "fsdp1", 2, check_ambient_config=False).warnings
@@ -297,7 +297,7 @@ def test_cli_lora_stays_out_of_a_frozen_tower(tmp_path):
     done = run_cli(str(REPO / "tests" / "configs" / "llama-3-8b"), "--vision", "full")
     assert done.returncode == 2 and "has no vision tower" in done.stderr
     done = run_cli(folder, "--vision", "half")
-    assert done.returncode == 2 and "choose frozen, lora or full" in done.stderr
+    assert done.returncode == 2 and "choose frozen, lora, full" in done.stderr
 
 
 FSDP1_SCRIPT = r"""
@@ -309,7 +309,7 @@ from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from transformers import AutoConfig, AutoModelForImageTextToText
-from liger_cli.plan.inspect_wrap import _train_vision
+from liger_cli.plan.inspect_wrap import apply_vision_mode
 
 def units_of(model):
     names = {id(m): n.replace("_fsdp_wrapped_module.", "").removesuffix("._fsdp_wrapped_module") or "(root)"
@@ -321,7 +321,7 @@ dist.init_process_group("gloo", rank=0, world_size=1)
 results = []
 for names, use_orig_params in json.loads(sys.argv[2]):
     AcceleratorState._reset_state(True)
-    model = _train_vision(AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(sys.argv[1])), None, False)
+    model = apply_vision_mode(AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(sys.argv[1])), None, False)
     plugin = FullyShardedDataParallelPlugin(fsdp_version=1, auto_wrap_policy="transformer_based_wrap",
                                             transformer_cls_names_to_wrap=names, use_orig_params=use_orig_params)
     accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
@@ -344,7 +344,7 @@ def test_real_fsdp1_builds_the_planned_units_and_the_frozen_tower_failure(tmp_pa
     import os
 
     folder = tiny_folder("llava", str(tmp_path))
-    model = _train_vision(build_meta_model(str(folder)), None, False)
+    model = apply_vision_mode(build_meta_model(str(folder)), None, False)
     default = resolve_wrap_classes(model, env={})
     layers_only = ["LlamaDecoderLayer", "CLIPEncoderLayer"]
     cases = [(default.classes, False), (default.classes, True), (layers_only, False)]

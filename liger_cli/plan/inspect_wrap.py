@@ -102,7 +102,7 @@ def inspect_command(
     else:
         built = build_meta_model(model)
     if recipe is None:
-        built = _train_vision(built, vision, lora)
+        built = apply_vision_mode(built, vision, lora)
     elif lora and not _has_adapter(built):
         built = apply_default_lora(built)
     backend = backend or settings["backend"]
@@ -149,7 +149,7 @@ def inspect_command(
     return 3 if strict and report.warnings else 0
 
 
-def _train_vision(built: nn.Module, vision: str | None, lora: bool) -> nn.Module:
+def apply_vision_mode(built: nn.Module, vision: str | None, lora: bool) -> nn.Module:
     """The default LoRA (with --lora) and the vision tower's mode: frozen (the default), lora, full."""
     from liger_cli.model.vision import freeze_vision, tower_path, vision_tower
 
