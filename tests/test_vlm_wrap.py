@@ -261,6 +261,8 @@ def test_frozen_tower_sharing_a_unit_is_reported_under_fsdp1(tmp_path):
     text = render_report(fsdp1)
     assert "Units mixing frozen and trainable parameters: (root)" in text
     assert "vision tower model.vision_tower" in text
+    default_text = render_report(default)
+    assert "(dropped): CLIPTextEmbeddings" in default_text and "leaves out): CLIPVisionModel" in default_text
     fsdp2 = plan_units(model, layers_only, "fsdp2", 2, check_ambient_config=False)
     assert "FSDP1_FROZEN_VISION_SHARED" not in [w.code for w in fsdp2.warnings]
 

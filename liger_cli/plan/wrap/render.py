@@ -28,7 +28,10 @@ def render_report(report: WrapReport) -> str:
         f"wrap classes: {', '.join(report.wrap_classes) or '[]'} (from {source})",
     ]
     if report.added_vision:
-        lines.append(f"Vision classes added to the wrap classes: {', '.join(report.added_vision)}")
+        lines.append(
+            f"Added for a vision-language model (blocks or tower _no_split_modules leaves out): "
+            f"{', '.join(report.added_vision)}"
+        )
     if report.kept_whole:
         lines.append(
             f"Not wrapped, since a unit of theirs would split a shared weight: {', '.join(report.kept_whole)}"
