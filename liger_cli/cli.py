@@ -171,6 +171,10 @@ def inspect_wrap(
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     strict: Annotated[bool, typer.Option(help="Exit 3 when the plan has warnings.")] = False,
     device_memory: DeviceMemoryOption = None,
+    vision: Annotated[
+        str | None,
+        typer.Option(help="A VLM's vision tower: frozen (default), lora (with --lora) or full."),
+    ] = None,
 ) -> None:
     """Show how FSDP will shard a model, without loading weights, and warn about plans known to break."""
     if model is None and recipe is None:
@@ -185,6 +189,10 @@ def inspect_wrap(
     if device_memory is not None and recipe is None:
         raise UserError("--device-memory needs --recipe: the memory plan is a recipe's")
     memory_bytes = _device_memory(device_memory) if recipe is not None else None
+    from liger_cli.model.vision import VISION_MODES
+
+    if vision is not None and vision not in VISION_MODES:
+        raise UserError(f"--vision {vision!r}: choose {', '.join(VISION_MODES)}")
 
     raise typer.Exit(
         inspect_command(
@@ -197,6 +205,7 @@ def inspect_wrap(
             json_out=json_out,
             strict=strict,
             device_memory=memory_bytes,
+            vision=vision,
         )
     )
 

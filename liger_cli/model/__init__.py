@@ -1,6 +1,7 @@
 """Stage 3, the model: the recipe's model (real, or on the meta device), its adapter, activation
-checkpointing and our kernels patched into the instance (`build.py`); and what its loss on a batch
-is (`objectives/`), which the run trains with and the twin's checks prove.
+checkpointing and our kernels patched into the instance (`build.py`); a vision-language model's parts
+and what of it trains (`vision.py`, for `inspect-wrap`); and what its loss on a batch is
+(`objectives/`), which the run trains with and the twin's checks prove.
 
 Takes plain decisions (which kernels, which checkpointing) rather than the Plan, which is decided
 later in the flow from this stage's meta model. May import `recipe` and `data`.

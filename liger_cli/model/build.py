@@ -48,16 +48,27 @@ def read_config(source: Path, trust_remote_code: bool = False):
 
 
 def meta_model_from_config(
-    source: Path, trust_remote_code: bool = False, dtype: torch.dtype | None = None, attn_implementation=None
+    source: Path,
+    trust_remote_code: bool = False,
+    dtype: torch.dtype | None = None,
+    attn_implementation=None,
+    vision_language: bool = False,
 ) -> nn.Module:
     """A causal LM from its config on the meta device: structure only, no weights read or allocated.
 
-    `dtype` None keeps the config's own dtype (what the checkpoint holds)."""
+    `dtype` None keeps the config's own dtype (what the checkpoint holds). With `vision_language`, a
+    config that transformers maps to `AutoModelForImageTextToText` (see `vision.is_vision_language`)
+    builds that class instead (`inspect-wrap` plans VLMs; `train` builds causal LMs only)."""
     import warnings
 
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from liger_cli.model.vision import is_vision_language
 
     config = read_config(source, trust_remote_code)
+    auto = AutoModelForCausalLM
+    if vision_language and is_vision_language(config):
+        auto = AutoModelForImageTextToText
     if dtype is None:
         dtype = config.dtype if isinstance(getattr(config, "dtype", None), torch.dtype) else torch.float32
     kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code}
@@ -66,9 +77,10 @@ def meta_model_from_config(
     try:
         with torch.device("meta"), warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
-            model = AutoModelForCausalLM.from_config(config, **kwargs)
+            model = auto.from_config(config, **kwargs)
     except ValueError as err:
-        raise UserError(f"{source}: not a causal language model transformers can build: {err}") from None
+        what = "model" if vision_language else "causal language model"
+        raise UserError(f"{source}: not a {what} transformers can build: {err}") from None
     model.config.use_cache = False
     return model
 

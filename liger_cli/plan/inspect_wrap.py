@@ -48,18 +48,22 @@ def build_meta_model(
     raise UserError(f"model {spec!r} not found: {_SPEC_HELP}")
 
 
-def apply_default_lora(model: nn.Module) -> nn.Module:
+def apply_default_lora(model: nn.Module, exclude: str | None = None) -> nn.Module:
     """peft's LoRA (r=8, all linear layers) on a meta model, so frozen and trainable parameters mix.
 
-    low_cpu_mem_usage keeps the adapter weights on meta too (without it peft allocates them on the CPU
-    first: measured here +440 MB and 7 s for Llama-3-70B at r=16).
+    `exclude` is a module path kept free of adapters (a VLM's vision tower: `all-linear` would otherwise
+    put LoRA into it). low_cpu_mem_usage keeps the adapter weights on meta too (without it peft allocates
+    them on the CPU first: measured here +440 MB and 7 s for Llama-3-70B at r=16).
     """
     from peft import LoraConfig, get_peft_model
 
+    config = LoraConfig(r=8, target_modules="all-linear")
+    if exclude:
+        config.exclude_modules = rf"{re.escape(exclude)}(\..*)?"
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # transformers 5 deprecations inside peft
-            return get_peft_model(model, LoraConfig(r=8, target_modules="all-linear"), low_cpu_mem_usage=True)
+            return get_peft_model(model, config, low_cpu_mem_usage=True)
     except ValueError as err:
         raise UserError(f"--lora: peft cannot apply LoRA to this model: {err}") from None
 
@@ -74,10 +78,12 @@ def inspect_command(
     json_out: bool,
     strict: bool,
     device_memory: int | None = None,
+    vision: str | None = None,
 ) -> int:
     """Print the wrap report of MODEL or of the recipe's plan; return 0, or 3 with --strict and warnings.
 
-    Options given on the command line override the recipe's values.
+    Options given on the command line override the recipe's values. `vision` (frozen, the default; lora;
+    full) says how a VLM's vision tower trains (MODEL without --recipe only).
     """
     settings = {"backend": "fsdp2", "num_processes": 1, "wrap_classes": None, "flce": False, "ac": "off"}
     check_ambient = True
@@ -89,9 +95,15 @@ def inspect_command(
         recipe_loaded = loaded.pop("recipe")
         settings.update(loaded)
         check_ambient = loaded["accelerate_config"] is None
+        if vision is not None:
+            raise UserError(
+                "--vision applies to MODEL without --recipe: the run builds the recipe's model as it is"
+            )
     else:
         built = build_meta_model(model)
-    if lora and not _has_adapter(built):
+    if recipe is None:
+        built = apply_vision_mode(built, vision, lora)
+    elif lora and not _has_adapter(built):
         built = apply_default_lora(built)
     backend = backend or settings["backend"]
     if backend not in FSDP_BACKENDS:
@@ -137,6 +149,25 @@ def inspect_command(
     return 3 if strict and report.warnings else 0
 
 
+def apply_vision_mode(built: nn.Module, vision: str | None, lora: bool) -> nn.Module:
+    """The default LoRA (with --lora) and the vision tower's mode: frozen (the default), lora, full."""
+    from liger_cli.model.vision import freeze_vision, tower_path, vision_tower
+
+    tower = tower_path(built)
+    if vision is not None and tower is None:
+        raise UserError(f"--vision {vision}: this model has no vision tower; leave --vision out")
+    mode = vision or "frozen"
+    if mode == "lora" and not lora:
+        raise UserError("--vision lora puts LoRA adapters into the vision tower: add --lora")
+    if lora and not _has_adapter(built):
+        built = apply_default_lora(built, exclude=tower if mode != "lora" else None)
+    freeze_vision(built, mode)
+    if mode == "full" and tower is not None:
+        for param in vision_tower(built).parameters():
+            param.requires_grad_(True)  # trained in full even beside a LoRA language model
+    return built
+
+
 # --- internals -------------------------------------------------------------------------------------------
 
 
@@ -163,7 +194,7 @@ def _from_config(path: Path, trust_remote_code: bool, dtype: torch.dtype | None)
 
     if path.is_dir() and not (path / "config.json").is_file():
         raise UserError(f"{path} has no config.json: {_SPEC_HELP}")
-    return meta_model_from_config(path, trust_remote_code, dtype)
+    return meta_model_from_config(path, trust_remote_code, dtype, vision_language=True)
 
 
 def _from_factory(spec: str) -> nn.Module:

@@ -27,6 +27,19 @@ def render_report(report: WrapReport) -> str:
         f"Model {report.model_type} ({report.dtype}), {backend} over {report.num_processes} process(es); "
         f"wrap classes: {', '.join(report.wrap_classes) or '[]'} (from {source})",
     ]
+    if report.added_vision:
+        lines.append(
+            f"Added for a vision-language model (blocks or tower _no_split_modules leaves out): "
+            f"{', '.join(report.added_vision)}"
+        )
+    if report.kept_whole:
+        lines.append(
+            f"Not wrapped, since a unit of theirs would split a shared weight: {', '.join(report.kept_whole)}"
+        )
+    if report.dropped_no_split:
+        lines.append(
+            f"_no_split_modules names this model does not contain (dropped): {', '.join(report.dropped_no_split)}"
+        )
     table = Table(title="FSDP units", title_justify="left", box=None, pad_edge=False)
     for header in ("unit", "class", "count", "params each", "trainable each", "size each", "per rank each"):
         table.add_column(header, justify="left" if header in ("unit", "class") else "right")
@@ -60,6 +73,17 @@ def render_report(report: WrapReport) -> str:
         f"{format_size(report.total_bytes)}. Per rank: {format_size(report.bytes_per_rank)} sharded, peak about "
         f"{format_size(report.peak_bytes_per_rank)} with the root and the largest unit gathered (parameters only).",
     ]
+    if report.parts:
+        lines.append("Parts (what trains): " + "; ".join(
+            f"{p.name} {p.path}: {p.params:,} parameters, {p.trainable_params:,} trainable" for p in report.parts
+        ))  # fmt: skip
+    mixed = [unit.path for unit, _ in _collapse([u for u in report.units if u.path in report.mixed_units])]
+    mixed += [ROOT] if ROOT in report.mixed_units else []
+    lines.append(
+        f"Units mixing frozen and trainable parameters: {', '.join(mixed)}"
+        if mixed
+        else "No unit mixes frozen and trainable parameters."
+    )
     if report.warnings:
         lines.append(f"Warnings ({len(report.warnings)}):")
         lines += [f"  {w.code}: {w.message}" for w in report.warnings]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 ROOT = "(root)"  # how reports name the root unit
 
@@ -26,6 +26,16 @@ class Unit:
     bytes: int
     bytes_per_rank: int
     reason: str  # "wrap_class" | "accelerate_embeddings" | "accelerate_output"
+
+
+@dataclass
+class Part:
+    """One part of a vision-language model (vision tower, language model, ...) and how much of it trains."""
+
+    name: str
+    path: str
+    params: int
+    trainable_params: int
 
 
 @dataclass
@@ -53,6 +63,13 @@ class WrapReport:
     final_norm_unit: str | None
     tied_embeddings: bool
     warnings: list[WrapWarning]
+    parts: list[Part] = field(default_factory=list)  # a VLM's parts; empty for a text model
+    mixed_units: list[str] = field(default_factory=list)  # units holding frozen and trainable parameters
+    dropped_no_split: list[str] = field(default_factory=list)  # `_no_split_modules` names the model lacks
+    added_vision: list[str] = field(default_factory=list)  # VLM classes liger added to the wrap classes
+    kept_whole: list[str] = field(
+        default_factory=list
+    )  # classes not wrapped: they would split a shared weight
 
     def to_json(self) -> dict:
         data = asdict(self)

@@ -30,6 +30,9 @@ class WrapResolution:
     classes: list[str]
     source: str
     warnings: list[WrapWarning] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)  # `_no_split_modules` names the model lacks
+    added: list[str] = field(default_factory=list)  # a VLM's block/tower classes `_no_split_modules` left out
+    kept_whole: list[str] = field(default_factory=list)  # not wrapped: a unit would split a shared weight
 
 
 def split_names(value: str | Iterable[str] | None) -> list[str]:
@@ -76,8 +79,9 @@ def resolve_wrap_classes(
 
     A level that names nothing after cleaning ("", " , ") counts as unset. Names the user gave must match a
     class in the model (a PeftModel is looked through: its modules are the base model's); the error lists
-    the classes the model has. `_no_split_modules` entries the model lacks are dropped, since accelerate
-    would fail on them and the user never wrote them. `recipe_origin` names where `recipe_value` came
+    the classes the model has. `_no_split_modules` entries the model lacks are dropped (and listed in
+    `dropped`), since accelerate would fail on them and the user never wrote them; a VLM's vision block
+    and tower classes are added where `_no_split_modules` leaves them out (listed in `added`). `recipe_origin` names where `recipe_value` came
     from in that error (a command-line option overriding the recipe, say).
     """
     env = os.environ if env is None else env
@@ -95,11 +99,55 @@ def resolve_wrap_classes(
             )
         return WrapResolution(names, source)
 
-    names = [name for name in split_names(no_split_modules(model)) if name in present]
-    if names:
-        return WrapResolution(names, "no_split_modules")
+    named = split_names(no_split_modules(model))
+    names = [name for name in named if name in present]
+    dropped = [name for name in named if name not in present]
+    added = [name for name in vision_classes(model) if name not in names]
+    splitting = set(splitting_classes(model, names + added))  # a tied weight must stay in one unit
+    names, added = [n for n in names if n not in splitting], [n for n in added if n not in splitting]
+    kept = sorted(splitting)
+    if names or added:
+        return WrapResolution(
+            names + added, "no_split_modules", dropped=dropped, added=added, kept_whole=kept
+        )
     root_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return WrapResolution([], "none", [no_wrap_warning(model, root_bytes)])
+    return WrapResolution([], "none", [no_wrap_warning(model, root_bytes)], dropped=dropped, kept_whole=kept)
+
+
+def splitting_classes(model: nn.Module, names: Sequence[str]) -> list[str]:
+    """The classes among `names` whose units would split a shared parameter (tied embeddings, UDOP's
+    relative bias): a module of the class holds a parameter that a module outside it holds too."""
+    holders: dict[int, set[int]] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            holders.setdefault(id(param), set()).add(id(module))
+    shared = {key for key, held in holders.items() if len(held) > 1}
+    if not shared:
+        return []
+    found = []
+    for module in model.modules():
+        name = type(module).__name__
+        if module is model or name not in names or name in found:
+            continue
+        inside = {id(m) for m in module.modules()}
+        if any(key in shared and not holders[key] <= inside for key in map(id, module.parameters())):
+            found.append(name)
+    return found
+
+
+def vision_classes(model: nn.Module) -> list[str]:
+    """A VLM's units: its language model's and its vision tower's block classes (some `_no_split_modules`
+    name only the attention, or nothing), then the tower class itself, so that the tower's other parameters
+    (patch embedding, norms), frozen by default, do not share the root unit with the trainable projector
+    and language model (FSDP-1 flattens a unit into one tensor). [] for a text model."""
+    from liger_cli.model.vision import block_classes, is_vision_language, language_model, vision_tower
+
+    tower = vision_tower(model)
+    config = getattr(model, "config", None)
+    if tower is None and (config is None or not is_vision_language(config)):
+        return []
+    blocks = [*block_classes(language_model(model)), *block_classes(tower)]
+    return list(dict.fromkeys([*blocks, *([type(tower).__name__] if tower is not None else [])]))
 
 
 def no_wrap_warning(model: nn.Module, root_bytes: int) -> WrapWarning:

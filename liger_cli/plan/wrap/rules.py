@@ -2,7 +2,8 @@
 
 Each rule is a failure that was measured or seen in the field (see docs/field-failures.md and
 docs/fsdp-facts.md): tied weights split over units, a fused loss reading a sharded lm_head, FSDP-1
-flattening frozen and trainable parameters together, checkpointing with the KV cache on, and an
+flattening frozen and trainable parameters together (a VLM's frozen vision tower sharing a unit with
+trainable parts), checkpointing with the KV cache on, and an
 accelerate config file that `accelerate launch` would apply behind the recipe's back.
 """
 
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from torch import nn
 
+from liger_cli.model.vision import vision_tower
 from liger_cli.plan.backends import display_name
 from liger_cli.plan.wrap.report import ROOT, WrapReport, WrapWarning
 from liger_cli.plan.wrap.resolve import no_wrap_warning
@@ -25,6 +27,28 @@ def ambient_accelerate_config(path: Path | str | None = None) -> Path | None:
         path = default_config_file
     path = Path(path)
     return path if path.is_file() else None
+
+
+def frozen_tower_sharing(
+    model: nn.Module, report: WrapReport, owners: dict[int, list[int | None]]
+) -> list[tuple[str, int, int]]:
+    """(unit, frozen vision-tower parameters, trainable parameters) for each unit that holds both."""
+    tower = vision_tower(model)
+    if tower is None:
+        return []
+    in_tower = {id(p) for p in tower.parameters()}
+    counts: dict[int | None, list[int]] = {}
+    for p in model.parameters():
+        count = counts.setdefault(owners[id(p)][0], [0, 0])
+        if p.requires_grad:
+            count[1] += p.numel()
+        elif id(p) in in_tower:
+            count[0] += p.numel()
+    return [
+        (ROOT if unit is None else report.units[unit].path, frozen, trainable)
+        for unit, (frozen, trainable) in counts.items()
+        if frozen and trainable
+    ]
 
 
 def plan_warnings(
@@ -54,7 +78,8 @@ def plan_warnings(
             if report.backend == "fsdp1"
             else "FSDP-2 refuses a parameter shared with another FSDP group"
         )
-        tied = report.tied_embeddings and getattr(output_embed, "weight", None) in split
+        head_weight = getattr(output_embed, "weight", None)
+        tied = report.tied_embeddings and any(p is head_weight for p in split)  # `in` would compare values
         what = "the tied input and output embeddings" if tied else f"{len(split)} shared parameter(s)"
         where = " and ".join(ROOT if u is None else report.units[u].path for u in owners[id(split[0])])
         warnings.append(
@@ -118,6 +143,22 @@ def plan_warnings(
                     "fsdp2 backend.",
                 )
             )
+
+    shared = frozen_tower_sharing(model, report, owners) if report.backend == "fsdp1" else []
+    if shared:
+        where, frozen, trainable = shared[0]
+        tower = type(vision_tower(model)).__name__
+        warnings.append(
+            WrapWarning(
+                "FSDP1_FROZEN_VISION_SHARED",
+                f"{len(shared)} FSDP-1 unit(s) hold frozen vision-tower parameters together with trainable ones "
+                f"({where}: {frozen:,} frozen, {trainable:,} trainable): FSDP-1 flattens a unit into one tensor, "
+                "so without use_orig_params this fails ('Must flatten tensors with uniform requires_grad'); "
+                "with use_orig_params=True (what liger sets) it runs, but the unit's gradient also covers the "
+                f"frozen parameters. Fix: keep {tower} in wrap_classes (liger's default for a VLM) so the "
+                "frozen tower is a unit of its own, or the fsdp2 backend.",
+            )
+        )
 
     if activation_checkpointing != "off" and use_cache:
         warnings.append(

@@ -15,7 +15,7 @@ from torch import nn
 
 from liger_cli.errors import UserError
 from liger_cli.plan.backends import FSDP_BACKENDS
-from liger_cli.plan.wrap.report import ROOT, Unit, WrapReport, ceil_div
+from liger_cli.plan.wrap.report import ROOT, Part, Unit, WrapReport, ceil_div
 from liger_cli.plan.wrap.resolve import WrapResolution, split_names
 from liger_cli.plan.wrap.rules import ambient_accelerate_config, plan_warnings
 
@@ -52,8 +52,9 @@ def plan_units(
         raise UserError(f"num_processes must be at least 1, got {num_processes}")
     if isinstance(classes, WrapResolution):
         names, source, warnings = list(classes.classes), classes.source, list(classes.warnings)
+        dropped, added, kept = list(classes.dropped), list(classes.added), list(classes.kept_whole)
     else:
-        names, source, warnings = split_names(classes), "given", []
+        names, source, warnings, dropped, added, kept = split_names(classes), "given", [], [], [], []
 
     groups = _unit_groups(model, names, backend)
     module_unit, owners = _ownership(model, groups)
@@ -117,7 +118,14 @@ def plan_units(
         final_norm_unit=unit_of(_final_norm(_base_model(model))),
         tied_embeddings=_weight(input_embed) is not None and _weight(input_embed) is _weight(output_embed),
         warnings=[],
+        parts=vlm_parts(model, output_embed),
+        dropped_no_split=dropped,
+        added_vision=added,
+        kept_whole=kept,
     )
+    report.mixed_units = [u.path for u in units if 0 < u.trainable_params < u.params]
+    if 0 < report.root_trainable_params < report.root_params:
+        report.mixed_units.append(ROOT)
     if use_cache is None:
         use_cache = bool(getattr(getattr(model, "config", None), "use_cache", False))
     report.warnings = plan_warnings(
@@ -187,6 +195,33 @@ def _accelerate_groups_output() -> bool:
     except ImportError:
         return False
     return True
+
+
+def vlm_parts(model: nn.Module, output_embed: nn.Module | None) -> list[Part]:
+    """A VLM's parts, each with its parameter counts: the vision tower, the language model, lm_head and
+    the rest (projector, ...); a parameter is counted in the first part that holds it. [] for a text model."""
+    from liger_cli.model.vision import language_model, vision_tower
+
+    tower = vision_tower(model)
+    if tower is None:
+        return []
+    paths = {id(m): name for name, m in model.named_modules()}
+    seen: set[int] = set()
+    parts = []
+    for name, module in (
+        ("vision tower", tower),
+        ("language model", language_model(model)),
+        ("lm_head", output_embed),
+        ("other (projector, ...)", model),
+    ):
+        if module is None:
+            continue
+        owned = [p for p in module.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in owned)
+        path = "(the rest)" if module is model else paths.get(id(module), "?")
+        total, trainable = sum(p.numel() for p in owned), sum(p.numel() for p in owned if p.requires_grad)
+        parts.append(Part(name, path, total, trainable))
+    return parts
 
 
 # --- the replay ------------------------------------------------------------------------------------------

@@ -1,0 +1,130 @@
+"""Vision-language models: telling one from its config, and finding its parts (tower, blocks, language model).
+
+Detection goes by transformers' own auto mappings, never by a list of model names: a config class that
+`AutoModelForImageTextToText` maps is a VLM when it is not a causal LM, or when it carries a
+`vision_config` (Gemma 3 is in both mappings). The parts are found the way transformers finds them
+(`get_encoder(modality="image")`, `get_decoder()`), with the module built from `config.vision_config`
+as the fallback. What trains by default: the vision tower is frozen, everything else trains
+(`freeze_vision`).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+VISION_MODES = ("frozen", "lora", "full")
+
+
+def is_vision_language(config) -> bool:
+    """Whether `AutoModelForImageTextToText` is the class to build for this config."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
+    )
+
+    if type(config) not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
+        return False
+    return (
+        type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING or getattr(config, "vision_config", None) is not None
+    )
+
+
+def _base(model: nn.Module) -> nn.Module:
+    get_base = getattr(model, "get_base_model", None)  # through a peft wrapper
+    return get_base() if callable(get_base) else model
+
+
+def vision_tower(model: nn.Module) -> nn.Module | None:
+    """The image encoder, None for a model without one (a text model, a tower-less VLM such as Fuyu).
+
+    In order: transformers' `get_encoder(modality="image")`; the submodule built from `config.vision_config`;
+    the outermost submodule of transformers' whose main input is `pixel_values` (a tower nested in a
+    sub-model, as in PI0 or T5Gemma 2, or named `encoder`, as in VisionEncoderDecoder). A candidate that
+    also holds the text embeddings (T5Gemma 2's encoder) is not the vision tower.
+    """
+    base = _base(model)
+    try:
+        embed = base.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        embed = None
+
+    def tower_like(module) -> bool:
+        return (
+            isinstance(module, nn.Module)
+            and module is not base
+            and not any(m is embed for m in module.modules())
+            and any(True for _ in module.parameters())
+        )
+
+    try:
+        tower = base.get_encoder(modality="image")
+    except (AttributeError, TypeError, ValueError):
+        tower = None
+    if tower_like(tower):
+        return tower
+    vision_config = getattr(getattr(base, "config", None), "vision_config", None)
+    for module in base.modules():
+        if (
+            vision_config is not None
+            and getattr(module, "config", None) is vision_config
+            and tower_like(module)
+        ):
+            return module
+    for module in base.modules():
+        if getattr(module, "main_input_name", None) == "pixel_values" and tower_like(module):
+            return module
+    return None
+
+
+def language_model(model: nn.Module) -> nn.Module | None:
+    """The text decoder (`get_decoder()`), None when transformers names none."""
+    base = _base(model)
+    try:
+        decoder = base.get_decoder()
+    except (AttributeError, TypeError, ValueError, NotImplementedError):
+        return None
+    return decoder if isinstance(decoder, nn.Module) and decoder is not base else None
+
+
+def block_lists(module: nn.Module) -> list[tuple[str, nn.ModuleList]]:
+    """The outermost ModuleLists of blocks inside `module`: items of classes of our own (not torch builtins;
+    one class, or several as in Mllama's self- and cross-attention layers) holding parameters. Lists
+    nested inside a found list (MoE experts) are not listed again."""
+    found: list[tuple[str, nn.ModuleList]] = []
+    inside: set[int] = set()
+    for name, child in module.named_modules():
+        if id(child) in inside or not isinstance(child, nn.ModuleList) or len(child) == 0:
+            continue
+        if any(type(item).__module__.startswith("torch.") for item in child):
+            continue
+        if not any(True for _ in child.parameters()):
+            continue
+        found.append((name, child))
+        inside.update(id(m) for m in child.modules())
+    return found
+
+
+def block_classes(module: nn.Module | None) -> list[str]:
+    """Class names of the blocks in `module` (see `block_lists`), in model order."""
+    if module is None:
+        return []
+    return list(dict.fromkeys(type(item).__name__ for _, lst in block_lists(module) for item in lst))
+
+
+def freeze_vision(model: nn.Module, mode: str = "frozen") -> None:
+    """`frozen` (the default): the vision tower's parameters stop requiring grad; `full` and `lora`
+    leave them as they are (`lora` adds its adapters through peft, not here)."""
+    if mode not in VISION_MODES:
+        raise ValueError(f"vision mode {mode!r}: use one of {', '.join(VISION_MODES)}")
+    tower = vision_tower(model)
+    if mode == "frozen" and tower is not None:
+        for param in tower.parameters():
+            param.requires_grad_(False)
+
+
+def tower_path(model: nn.Module) -> str | None:
+    """The vision tower's module path in `model` (peft prefixes included), None without a tower."""
+    tower = vision_tower(model)
+    return (
+        next((name for name, m in model.named_modules() if m is tower), None) if tower is not None else None
+    )
