@@ -234,12 +234,20 @@ def tokenizers_single_threaded(forking: bool):
     if not forking:
         yield
         return
-    before = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    with entry_set(os.environ, "TOKENIZERS_PARALLELISM", "false"):
+        yield
+
+
+@contextlib.contextmanager
+def entry_set(mapping: MutableMapping, key: str, value):
+    """`mapping[key] = value` for the block, then exactly as before (an absent key absent again)."""
+    missing = object()
+    before = mapping.get(key, missing)
+    mapping[key] = value
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        if before is missing:
+            mapping.pop(key, None)
         else:
-            os.environ["TOKENIZERS_PARALLELISM"] = before
+            mapping[key] = before

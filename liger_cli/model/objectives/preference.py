@@ -163,15 +163,11 @@ def sequence_logprobs(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple
 def loss_function_swapped(causal_lm: nn.Module, loss_function):
     """The causal-LM module's `loss_function` replaced for a forward (log-probs instead of a loss), then
     exactly what it was (an instance attribute or the class's)."""
-    saved = causal_lm.__dict__.get("_loss_function")
-    causal_lm.loss_function = loss_function
-    try:
+    from liger_cli.process_state import entry_set
+
+    # transformers' loss_function setter stores the instance attribute _loss_function
+    with entry_set(causal_lm.__dict__, "_loss_function", loss_function):
         yield
-    finally:
-        if saved is None:
-            causal_lm.__dict__.pop("_loss_function", None)
-        else:
-            causal_lm.__dict__["_loss_function"] = saved
 
 
 def find_causal_lm(model: nn.Module) -> nn.Module:
