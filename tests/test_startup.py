@@ -22,3 +22,73 @@ def test_help_starts_within_a_small_multiple_of_importing_typer() -> None:
     result = json.loads(proc.stdout)
     assert result["best_s"]["typer_import"] > 0 and len(result["all_s"]["liger_help"]) == 5
     assert result["ratio"] < LIMIT, result
+
+
+def _imported(argv: list[str], cwd: Path) -> set[str]:
+    """The modules a process imports (`python -X importtime`), which must exit 0."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", *argv], capture_output=True, text=True,
+                          cwd=cwd, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return {
+        line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")
+    } - {"imported package"}
+
+
+def test_cached_liger_data_imports_only_what_its_work_needs(tmp_path) -> None:
+    """On a cached entry `liger data` imports what tokenizing needs (datasets, the tokenizer through
+    transformers, numpy, pyarrow, yaml, pydantic, rich) and its own CLI layer, nothing else: no peft,
+    accelerate, kernels or model code."""
+    recipe = REPO / "recipes" / "quickstart.yaml"
+    cache = ["--set", f"data.cache_dir={tmp_path / 'cache'}"]
+    liger = ["-m", "liger_cli", "data", str(recipe), *cache]
+    first = subprocess.run(
+        [sys.executable, *liger], capture_output=True, text=True, cwd=tmp_path, timeout=600
+    )
+    assert first.returncode == 0, first.stderr
+    used = _imported(liger, tmp_path)
+    model = REPO / "recipes" / "quickstart" / "model"
+    bare = _imported(["-c", "import datasets, numpy, pyarrow, pydantic, rich, yaml\n"
+                      f"from transformers import AutoTokenizer\nAutoTokenizer.from_pretrained({str(model)!r})"],
+                     tmp_path)  # fmt: skip
+    cli_layer = _imported(["-c", "import typer, annotated_types"], tmp_path)
+
+    def top(names: set[str]) -> set[str]:
+        return {name.split(".")[0] for name in names} - set(sys.stdlib_module_names)
+
+    assert top(used) - top(bare | cli_layer) == {"liger_cli"}, sorted(top(used) - top(bare | cli_layer))
+    assert not {m for m in used if m.startswith(("liger_cli.model", "liger_cli.run", "liger_cli.plan"))}
+
+
+STOP_AT_DATA = """
+import os, sys
+import liger_cli.run.train as train
+from liger_cli.cli import app
+
+def data_ready(*args, **kwargs):
+    train_load_data(*args, **kwargs)
+    print(" ".join(sorted(sys.modules)))
+    os._exit(0)
+
+train_load_data, train.load_data = train.load_data, data_ready
+sys.argv = ["liger", "train", *sys.argv[1:]]
+app()
+"""
+
+
+def test_train_imports_no_stage_it_does_not_use_before_the_data_is_ready(tmp_path) -> None:
+    """Before its data is ready an SFT run has built its Plan (the twin's proofs: torch, transformers,
+    peft, the kernels, the generation engine for the greedy check) and its accelerator, and imported
+    nothing of serving, merging, benchmarks, DeepSpeed or TRL, nor the run's sampler and samples."""
+    recipe = REPO / "recipes" / "quickstart.yaml"
+    sets = ["--set", f"output.dir={tmp_path / 'out'}", "--set", f"data.cache_dir={tmp_path / 'cache'}"]
+    proc = subprocess.run([sys.executable, "-c", STOP_AT_DATA, str(recipe), *sets],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    modules = set(proc.stdout.split())
+    assert {"liger_cli.run.train", "liger_cli.data", "peft", "accelerate"} <= modules
+    # (bitsandbytes, where installed, comes with `import peft` itself)
+    unused = ("liger_cli.serve", "liger_cli.merge", "liger_cli.bench", "deepspeed", "trl")
+    assert not {"liger_cli.run.online", "liger_cli.run.samples"} & modules
+    assert not {m for m in modules if m.startswith(unused)}, sorted(
+        m for m in modules if m.startswith(unused)
+    )

@@ -39,10 +39,8 @@ from liger_cli.run.evaluate import evaluate
 from liger_cli.run.fingerprint import check_same_run, fingerprint
 from liger_cli.run.inputs import Data, load_data
 from liger_cli.run.metrics import MemoryWatch, MetricsLog, peak_memory_mb
-from liger_cli.run.online import Sampler, check_prompts, evaluate_rewards, write_rollouts
 from liger_cli.run.output_dir import OutputDecision, claim_output
 from liger_cli.run.reference import precompute_for
-from liger_cli.run.samples import Samples
 
 FINAL_METRICS = "final_metrics.json"
 
@@ -88,6 +86,8 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
         return {}
     objective = objective_for(recipe)  # a grpo run's reward functions are imported here
     if getattr(objective, "online", False):
+        from liger_cli.run.online import check_prompts  # online runs only: it imports the generation stage
+
         check_prompts(recipe, data.train, "train")
         check_prompts(recipe, data.eval, "eval")
     memory = MemoryWatch(accelerator.device)
@@ -241,9 +241,16 @@ def fit(trainer: Trainer) -> dict[str, float]:
     objective = trainer.objective
     step = trainer.step
     last: dict[str, float] = {}
-    samples = Samples.of_run(recipe, data.eval, data.tokenizer, model) if t.eval_samples else None
+    samples = sampler = None
+    if t.eval_samples:
+        from liger_cli.run.samples import Samples
+
+        samples = Samples.of_run(recipe, data.eval, data.tokenizer, model)
     online = getattr(objective, "online", False)  # grpo: batches sampled from the model as it trains
-    sampler = Sampler(recipe, backend, model, data.tokenizer) if online else None
+    if online:  # the generation stage is imported by the runs that sample
+        from liger_cli.run.online import Sampler, evaluate_rewards, write_rollouts
+
+        sampler = Sampler(recipe, backend, model, data.tokenizer)
 
     def run_eval(at: int, echo) -> None:
         if online:
