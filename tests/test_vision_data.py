@@ -285,3 +285,22 @@ def test_the_cache_is_keyed_on_image_bytes(two_images, tokenizer, processor, tmp
         "pixel_values"
     ]
     assert torch.equal(batch["pixel_values"], expected)
+
+
+def test_images_outside_the_image_path_are_refused(tokenizer):
+    """Preference pairs, prompts and a stream never render an image placeholder without its pixels."""
+    from liger_cli.data.build import encoder
+    from liger_cli.data.files import row_check
+
+    user = image_row([{"type": "image", "path": "a.png"}], "x")["messages"][:1]
+    answer = [{"role": "assistant", "content": "x"}]
+    pair = {"prompt": user, "chosen": answer, "rejected": [{"role": "assistant", "content": "y"}]}
+    assert (
+        row_check("preference")(pair) == 'field "prompt[0].content[0]": images are read in format chat only'
+    )
+    assert (
+        row_check("prompt")({"prompt": user})
+        == 'field "prompt[0].content[0]": images are read in format chat only'
+    )
+    found = encoder("chat", config(Path("x.jsonl")))([{"messages": user + answer}], tokenizer)
+    assert isinstance(found[0], ValueError) and "rows with images cannot be streamed" in str(found[0])

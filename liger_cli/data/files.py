@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from liger_cli.data.images import check_part
+from liger_cli.data.images import check_part, image_parts
 from liger_cli.errors import UserError
 
 # Loaders by file extension: the `datasets` packaged builder that reads each one.
@@ -215,7 +215,7 @@ def _check_prompt_row(row: dict) -> str | None:
             return f'field "prompt[{i}]" must be an object with "role" and "content"'
     if prompt[-1]["role"] == "assistant":
         return 'field "prompt": the last message is the assistant\'s; end with the turn to answer'
-    return None
+    return _no_images(prompt, "prompt")
 
 
 def _check_preference_row(row: dict) -> str | None:
@@ -243,6 +243,9 @@ def _check_preference_row(row: dict) -> str | None:
             problem = 'field "messages" is empty'
         if problem:
             return problem.replace('"messages', f'"{name}', 1)
+    for name in kinds:
+        if problem := _no_images(row[name], name):
+            return problem
     for side in ("chosen", "rejected"):
         if row[side][-1].get("role") != "assistant":
             return f'field "{side}": its last message must be the assistant\'s answer'
@@ -253,6 +256,14 @@ def _check_preference_row(row: dict) -> str | None:
                 'without "prompt", chosen and rejected must be whole conversations that share every message '
                 "but the last; add a prompt field, or make their earlier messages equal"
             )
+    return None
+
+
+def _no_images(messages: list, name: str) -> str | None:
+    """Images are read for chat rows only; elsewhere a placeholder without pixels would be trained on."""
+    found = image_parts(messages)
+    if found:
+        return f'field "{found[0][0].replace("messages", name, 1)}": images are read in format chat only'
     return None
 
 
