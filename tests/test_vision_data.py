@@ -304,3 +304,19 @@ def test_images_outside_the_image_path_are_refused(tokenizer):
     )
     found = encoder("chat", config(Path("x.jsonl")))([{"messages": user + answer}], tokenizer)
     assert isinstance(found[0], ValueError) and "rows with images cannot be streamed" in str(found[0])
+
+
+def test_a_mixture_of_image_and_text_sources(two_images, tokenizer, tmp_path):
+    """A text-only source mixed with one of images: its examples get no images and stay as they were."""
+    text_rows = [
+        {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]}
+    ]
+    text_file = write_data(tmp_path / "text", text_rows)
+    alone, _ = prepare_data(config(text_file), tokenizer, seed=0)
+    cfg = config([{"path": two_images, "weight": 1}, {"path": text_file, "weight": 1}])
+    mixed, _ = prepare_data(cfg, tokenizer, seed=0)
+    from_text = [k for k, source in enumerate(mixed.source_of) if source == 1]
+    assert from_text and all(mixed.examples[k]["images"] == b"" for k in from_text)
+    assert mixed.examples[from_text[0]]["input_ids"] == alone.examples[0]["input_ids"]
+    batch = collate([mixed.dataset[k] for k in range(len(mixed.dataset))], tokenizer.pad_token_id)
+    assert batch["pixel_values"].shape[0] == sum(len(x) for x in mixed.examples["image_tokens"])

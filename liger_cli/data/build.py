@@ -36,7 +36,7 @@ from liger_cli.data.encode import (
     truncate,
 )
 from liger_cli.data.files import FORMAT_FIELDS, ROW_COLUMN, where
-from liger_cli.data.images import IMAGE_FILES, IMAGE_STARTS, IMAGE_TOKENS, IMAGES_COLUMN
+from liger_cli.data.images import IMAGE_COLUMNS, IMAGES_COLUMN
 from liger_cli.data.mix import fraction_orders, mixture
 from liger_cli.data.preference import PAIR_COLUMNS
 from liger_cli.data.processes import encode_table, tokenizing_processes
@@ -62,7 +62,6 @@ WARNINGS = {
 
 TRUNCATED_AWAY = "every learned token is past max_seq_len"
 CUT_IMAGE = "truncation at max_seq_len cuts an image's tokens"
-IMAGE_COLUMNS = (IMAGES_COLUMN, IMAGE_FILES, IMAGE_STARTS, IMAGE_TOKENS)
 PACK_CHUNK = 1000  # examples packed together: a packed row never joins examples of two chunks
 
 

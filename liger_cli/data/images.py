@@ -183,6 +183,7 @@ IMAGES_COLUMN = "images"  # the processor's image tensors of the row, as safeten
 IMAGE_FILES = "image_files"  # each image's file ("" for a data: URI)
 IMAGE_STARTS = "image_starts"  # each image's first token
 IMAGE_TOKENS = "image_tokens"  # how many tokens each image became
+IMAGE_COLUMNS = (IMAGES_COLUMN, IMAGE_FILES, IMAGE_STARTS, IMAGE_TOKENS)
 
 
 def batch_images(blobs) -> dict:
