@@ -320,3 +320,37 @@ def test_a_mixture_of_image_and_text_sources(two_images, tokenizer, tmp_path):
     assert mixed.examples[from_text[0]]["input_ids"] == alone.examples[0]["input_ids"]
     batch = collate([mixed.dataset[k] for k in range(len(mixed.dataset))], tokenizer.pad_token_id)
     assert batch["pixel_values"].shape[0] == sum(len(x) for x in mixed.examples["image_tokens"])
+
+
+def test_truncation_that_cuts_an_image_drops_the_row(two_images, tokenizer):
+    """A learned answer before the cut, an image across it: the row goes (the model needs every image
+    token it is given); cut after the image, it stays."""
+    from liger_cli.data.build import CUT_IMAGE
+
+    first = [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]
+    later = image_row([{"type": "image", "path": "img/red.png"}], "red")["messages"]
+    data = write_data(two_images.parent, [{"messages": first + later}, {"messages": first}], "long.jsonl")
+    whole, _ = prepare_data(config(data), tokenizer, seed=0)
+    start = whole.examples[0]["image_starts"][0]
+    cut, _ = prepare_data(config(data, max_seq_len=start + 8), tokenizer, seed=0)
+    assert cut.dropped == {CUT_IMAGE: 1} and cut.examples["row"] == [1]
+    kept, _ = prepare_data(config(data, max_seq_len=start + 16), tokenizer, seed=0)
+    assert kept.dropped == {} and kept.truncated == 1 and kept.examples["row"] == [0, 1]
+
+
+def test_a_processor_without_chat_template_is_named(two_images, tmp_path):
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from liger_cli.data.images import remember_model
+
+    model = tmp_path / "model"
+    shutil.copytree(MODEL, model)
+    template = (model / "chat_template.jinja").read_text()
+    (model / "chat_template.jinja").unlink()
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.chat_template = template  # the text side has one, the processor none
+    remember_model(tokenizer, model, False)
+    with pytest.raises(UserError, match=rf"the processor at {model} has no chat template"):
+        prepare_data(config(two_images), tokenizer, seed=0)
