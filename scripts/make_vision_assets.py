@@ -94,7 +94,14 @@ def write_split(name: str, per_kind: int, rng: random.Random) -> int:
                 for asked, answer in (("colour", colour), ("shape", shape)):
                     question = rng.choice(QUESTIONS[asked])
                     user = [{"type": "image", "path": file}, {"type": "text", "text": question}]
-                    rows.append({"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]})
+                    rows.append(
+                        {
+                            "messages": [
+                                {"role": "user", "content": user},
+                                {"role": "assistant", "content": answer},
+                            ]
+                        }
+                    )
     rng.shuffle(rows)
     with open(data / f"{name}.jsonl", "w", encoding="utf-8") as f:
         for row in rows:
@@ -153,23 +160,12 @@ def build_processor(texts: list[str]):
 
 # ---------------------------------------------------------------- model
 def model_config(tokenizer):
-    """CLIP vision tower (2 layers, hidden 64) + projector + Llama (2 layers, hidden 128, GQA 4/2)."""
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
+    """CLIP vision tower (2 layers, hidden 64) + projector + the quickstart's Llama shape (2 layers,
+    hidden 128, GQA 4/2: scripts/make_quickstart_assets.py), so the same kernels and twin apply."""
+    from make_quickstart_assets import model_config as llama_config  # scripts/ is this script's folder
+    from transformers import CLIPVisionConfig, LlavaConfig
 
-    text = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=352,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    text = llama_config(tokenizer)
     vision = CLIPVisionConfig(
         image_size=IMAGE_SIZE,
         patch_size=PATCH_SIZE,
