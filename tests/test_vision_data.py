@@ -354,3 +354,41 @@ def test_a_processor_without_chat_template_is_named(two_images, tmp_path):
     remember_model(tokenizer, model, False)
     with pytest.raises(UserError, match=rf"the processor at {model} has no chat template"):
         prepare_data(config(two_images), tokenizer, seed=0)
+
+
+def test_two_images_in_one_row_keep_their_order(two_images, tokenizer, processor):
+    import torch
+
+    red, blue = (two_images.parent / "img" / f"{c}.png" for c in ("red", "blue"))
+    parts = [{"type": "image", "path": "img/red.png"}, {"type": "text", "text": "and"}]
+    row = image_row([*parts, {"type": "image", "path": "img/blue.png"}], "red blue", "Which colours?")
+    train, _ = prepare_data(config(write_data(two_images.parent, [row], "two.jsonl")), tokenizer, seed=0)
+    ex = train.examples[0]
+    reference = rendered_reference(processor, row, [red.read_bytes(), blue.read_bytes()])
+    ids = reference["input_ids"][0].tolist()
+    assert ex["input_ids"] == ids and ex["image_tokens"] == [16, 16]
+    second = ids.index(processor.image_token_id, ex["image_starts"][0] + 16)
+    assert ex["image_starts"] == [ids.index(processor.image_token_id), second]
+    batch = collate([train.dataset[0]], tokenizer.pad_token_id)
+    assert torch.equal(batch["pixel_values"], reference["pixel_values"])
+
+
+def test_image_rows_use_the_processors_template(two_images):
+    """A tokenizer whose own template differs (many VLMs keep theirs only in the processor): image rows
+    are rendered by the processor's, rows without images by the tokenizer's, as before."""
+    from transformers import AutoProcessor, AutoTokenizer
+
+    from liger_cli.data.chat import encode_chat
+
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    processor = AutoProcessor.from_pretrained(MODEL)
+    tokenizer.chat_template = processor.chat_template.replace("|>\n'", "|>\n\n'")
+    assert tokenizer.chat_template != processor.chat_template
+    train, _ = prepare_data(config(two_images), tokenizer, seed=0)
+    rows = [json.loads(line) for line in two_images.read_text().splitlines()]
+    red = (two_images.parent / "img" / "red.png").read_bytes()
+    assert (
+        train.examples[0]["input_ids"]
+        == rendered_reference(processor, rows[0], [red])["input_ids"][0].tolist()
+    )
+    assert train.examples[1]["input_ids"] == encode_chat(rows[1], tokenizer).input_ids

@@ -203,7 +203,8 @@ def _diff_align(plain, labels, expanded, image_id, n_images):
 
 
 def _mapped(index: list, k: int) -> int:
-    """The expanded position of plain token k, or of the nearest one after it that was kept."""
-    while k < len(index) - 1 and index[k] is None:
-        k += 1
-    return index[k] if index[k] is not None else len(index)
+    """The expanded position of plain token k, or of the nearest one before it that was kept (a turn's
+    first and last tokens are learned, so kept: checked in `_diff_align`)."""
+    while k > 0 and index[k] is None:
+        k -= 1
+    return index[k] or 0
