@@ -12,7 +12,8 @@ Formats:
   the output (+ eos).
 - chat: `{"messages": [...], "tools": [...] (optional)}`, rendered with the tokenizer's own chat
   template; the loss covers the assistant turns (all, or only the last), their end-of-turn token
-  included, with or without their reasoning.
+  included, with or without their reasoning. Other turns may carry images as content parts, encoded
+  by the model's processor (liger_cli.data.image_rows); their examples keep the image tensors.
 
 Problems that can be what the user meant are warnings with stable codes (WARNINGS), each naming
 the file, the row and the field; problems that cannot be are UserErrors (exit 2).
