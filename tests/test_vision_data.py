@@ -392,3 +392,15 @@ def test_image_rows_use_the_processors_template(two_images):
         == rendered_reference(processor, rows[0], [red])["input_ids"][0].tolist()
     )
     assert train.examples[1]["input_ids"] == encode_chat(rows[1], tokenizer).input_ids
+
+
+def test_flat_values_follows_a_selection():
+    """The report's column operation: a selection's lists joined in its order, as row by row would."""
+    import datasets
+
+    from liger_cli.data.columns import flat_values
+
+    table = datasets.Dataset.from_dict({"image_tokens": [[16], [], [4, 9], [25], [1, 2, 3]]})
+    picked = table.select([3, 0, 4, 2, 1], keep_in_memory=True)
+    assert flat_values(picked, "image_tokens").tolist() == [25, 16, 1, 2, 3, 4, 9]
+    assert flat_values(table, "image_tokens").tolist() == [16, 4, 9, 25, 1, 2, 3]
