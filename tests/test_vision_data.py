@@ -404,3 +404,63 @@ def test_flat_values_follows_a_selection():
     picked = table.select([3, 0, 4, 2, 1], keep_in_memory=True)
     assert flat_values(picked, "image_tokens").tolist() == [25, 16, 1, 2, 3, 4, 9]
     assert flat_values(table, "image_tokens").tolist() == [16, 4, 9, 25, 1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def gemma_style(tmp_path_factory) -> Path:
+    """A Gemma3Processor (Pil image processor, no torchvision) over a tiny tokenizer: the text holds a
+    `<start_of_image>` placeholder per image, which the processor expands into a newline block, the
+    placeholder, 4 `<image_soft_token>`s and `<end_of_image>`; the config names the soft token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import Gemma3ImageProcessorPil, Gemma3Processor, PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>", "<pad>", "<start_of_image>", "<image_soft_token>", "<end_of_image>"]
+    specials += ["<|user|>", "<|assistant|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(["What colour is the shape? red green blue"] * 10, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        **dict(bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"),
+        extra_special_tokens={
+            "boi_token": "<start_of_image>",
+            "image_token": "<image_soft_token>",
+            "eoi_token": "<end_of_image>",
+        },
+    )
+    template = (MODEL / "chat_template.jinja").read_text().replace("<image>", "<start_of_image>")
+    images = Gemma3ImageProcessorPil(size={"height": 28, "width": 28})
+    folder = tmp_path_factory.mktemp("gemma_style")
+    Gemma3Processor(
+        image_processor=images, tokenizer=tokenizer, chat_template=template, image_seq_length=4
+    ).save_pretrained(folder)
+    (folder / "config.json").write_text(json.dumps({"image_token_id": tokenizer.image_token_id}))
+    return folder
+
+
+def test_an_expansion_that_adds_text_around_the_image(gemma_style, two_images):
+    """Gemma 3's expansion is not a repeat of the placeholder: the diff path carries the labels over
+    and counts each image's soft tokens, exactly as the processor writes them."""
+    import torch
+    from transformers import AutoProcessor, AutoTokenizer
+
+    tokenizer, processor = (
+        AutoTokenizer.from_pretrained(gemma_style),
+        AutoProcessor.from_pretrained(gemma_style),
+    )
+    train, _ = prepare_data(config(two_images), tokenizer, seed=0)
+    rows = [json.loads(line) for line in two_images.read_text().splitlines()]
+    red = (two_images.parent / "img" / "red.png").read_bytes()
+    reference = rendered_reference(processor, rows[0], [red])
+    ids, labels = train.examples[0]["input_ids"], train.examples[0]["labels"]
+    soft = tokenizer.image_token_id
+    assert ids == reference["input_ids"][0].tolist() and ids.count(soft) == 4
+    assert train.examples[0]["image_tokens"] == [4] and train.examples[0]["image_starts"] == [ids.index(soft)]
+    learned = [t for t, label in zip(ids, labels, strict=True) if label != IGNORE_INDEX]
+    assert tokenizer.decode(learned) == "red</s>\n"
+    batch = collate([train.dataset[0]], tokenizer.pad_token_id)
+    assert torch.equal(batch["pixel_values"], reference["pixel_values"])

@@ -23,6 +23,7 @@ float32), and the cache folder holds them.
 from __future__ import annotations
 
 import copy
+import json
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +31,14 @@ from pathlib import Path
 from liger_cli.data.chat import conversation, render
 from liger_cli.data.chat_batch import encode_chats
 from liger_cli.data.encode import IGNORE_INDEX, Encoded
-from liger_cli.data.images import Picture, image_parts, open_image, processor_for, read_picture
+from liger_cli.data.images import (
+    Picture,
+    image_parts,
+    open_image,
+    processor_for,
+    processor_source,
+    read_picture,
+)
 
 TEXT_KEYS = {"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"}
 
@@ -73,6 +81,7 @@ def encode_image_chats(rows, tokenizer, base: Path | None, learn_turns="all", le
     """Each row's ImageEncoded, or the ValueError naming the field (and file) that is wrong."""
     processor = processor_for(tokenizer)
     view = template_view(tokenizer, processor)
+    image_id = image_token_id(processor, processor_source(tokenizer)[0])
     pictures: list = []
     for row in rows:
         try:
@@ -86,7 +95,7 @@ def encode_image_chats(rows, tokenizer, base: Path | None, learn_turns="all", le
         enc = pics if isinstance(pics, ValueError) else next(texts)
         if not isinstance(enc, ValueError):
             try:
-                enc = expand(row, enc, pics, view, processor)
+                enc = expand(row, enc, pics, view, processor, image_id)
             except ValueError as err:
                 enc = err
         out.append(enc)
@@ -107,12 +116,23 @@ def template_view(tokenizer, processor):
     return found
 
 
-def image_token_id(processor) -> int:
-    found = getattr(processor, "image_token_id", None)
-    return found if found is not None else processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+def image_token_id(processor, folder: str) -> int:
+    """The token an image's features replace: the model config's `image_token_id` (or
+    `image_token_index`), else the tokenizer's image token, else the processor's. Not the processor's
+    first: Gemma 3's processor names its placeholder (`<start_of_image>`) so, not its image tokens."""
+    config = Path(folder) / "config.json"
+    if config.is_file():
+        found = json.loads(config.read_text())
+        for key in ("image_token_id", "image_token_index"):
+            if isinstance(found.get(key), int):
+                return found[key]
+    for owner in (processor.tokenizer, processor):
+        if isinstance(getattr(owner, "image_token_id", None), int):
+            return owner.image_token_id
+    return processor.tokenizer.convert_tokens_to_ids(processor.image_token)
 
 
-def expand(row, enc: Encoded, pictures: list[Picture], view, processor) -> ImageEncoded:
+def expand(row, enc: Encoded, pictures: list[Picture], view, processor, image_id: int) -> ImageEncoded:
     """The text row's Encoded -> the processor's ids, labels aligned, and the image tensors (step 2, 3)."""
     import numpy as np
     from safetensors.numpy import save
@@ -131,9 +151,7 @@ def expand(row, enc: Encoded, pictures: list[Picture], view, processor) -> Image
             f'field "messages": the processor refused the row: {str(err).splitlines()[0]}'
         ) from None
     ids = [int(t) for t in out["input_ids"][0]]
-    labels, starts, counts, index = align(
-        enc.input_ids, enc.labels, ids, image_token_id(processor), len(pictures)
-    )
+    labels, starts, counts, index = align(enc.input_ids, enc.labels, ids, image_id, len(pictures))
     turns = [(f, _mapped(index, first), _mapped(index, end - 1) + 1) for f, first, end in enc.turns]
     tensors = {k: np.ascontiguousarray(v) for k, v in out.items() if k not in TEXT_KEYS}
     return ImageEncoded(
