@@ -37,7 +37,7 @@ from liger_cli.data.encode import (
     truncate,
 )
 from liger_cli.data.files import FORMAT_FIELDS, ROW_COLUMN, where
-from liger_cli.data.images import IMAGE_COLUMNS, IMAGES_COLUMN
+from liger_cli.data.images import IMAGE_COLUMNS, IMAGE_FILES, IMAGES_COLUMN
 from liger_cli.data.mix import fraction_orders, mixture
 from liger_cli.data.preference import PAIR_COLUMNS
 from liger_cli.data.processes import encode_table, tokenizing_processes
@@ -305,9 +305,9 @@ def batch_encoder(path: Path, fmt: str, data_cfg: DataConfig, tokenizer, images:
                 )
             ):
                 drop, ids, labels = CUT_IMAGE, [], []
-            if images is not None:
+            if images is not None:  # a dropped row keeps its files: the cache's image key covers them
                 for name, value in zip(IMAGE_COLUMNS, _image_values(enc), strict=True):
-                    out[name].append(value if not drop else type(value)())
+                    out[name].append(value if not drop or name == IMAGE_FILES else type(value)())
             if not drop:
                 kept.append((j, ids, labels, enc.turns))
             notes.append(found)
