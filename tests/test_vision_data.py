@@ -221,6 +221,9 @@ def test_liger_data_reports_images(two_images, tmp_path):
         f"image 1: {(two_images.parent / 'img' / 'red.png').resolve()}, tokens 3-18 (16 tokens)"
         in result.output
     )
+    # The image's 16 tokens shown as one mark where they sit; the answer learned.
+    shown = "<s><|user|>\n<image 1: 16 tokens>\nWhat colour is the shape?\n<|assistant|>\n[[red</s>\n]]"
+    assert shown in result.output
 
 
 @pytest.mark.parametrize("broken", ["missing", "unreadable"])

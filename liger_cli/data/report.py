@@ -239,9 +239,13 @@ def show_examples(console, split: Split, tokenizer, n: int) -> None:
             console.print(
                 f"\n--- {source_path(split, k).name} {head}: {len(ids)} tokens{cut}, {sum(learned[1:])} learned ---"
             )
-            for i, (file, start, count) in enumerate(_images_of(ex)):
+            text, cursor = Text(), 0
+            for i, (file, start, count) in enumerate(_images_of(ex)):  # each image's run as one mark
                 console.print(f"image {i + 1}: {file}, tokens {start}-{start + count - 1} ({count} tokens)")
-            console.print(_marked(ids, learned, tokenizer, special, plain, Text()))
+                _marked(ids[cursor:start], learned[cursor:start], tokenizer, special, plain, text)
+                text.append(f"<image {i + 1}: {count} tokens>", style=None if plain else "bold cyan")
+                cursor = start + count
+            console.print(_marked(ids[cursor:], learned[cursor:], tokenizer, special, plain, text))
 
 
 def _marked(ids, learned, tokenizer, special, plain: bool, text):
