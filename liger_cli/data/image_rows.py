@@ -33,6 +33,7 @@ from liger_cli.data.chat_batch import encode_chats
 from liger_cli.data.encode import IGNORE_INDEX, Encoded
 from liger_cli.data.images import (
     Picture,
+    chat_template,
     image_parts,
     open_image,
     processor_for,
@@ -42,9 +43,8 @@ from liger_cli.data.images import (
 
 TEXT_KEYS = {"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"}
 
-_VIEWS: weakref.WeakKeyDictionary = (
-    weakref.WeakKeyDictionary()
-)  # tokenizer -> it, under the processor's template
+# tokenizer -> a copy of it under the processor's chat template (liger_cli.data.chat caches per tokenizer)
+_VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -105,7 +105,7 @@ def encode_image_chats(rows, tokenizer, base: Path | None, learn_turns="all", le
 def template_view(tokenizer, processor):
     """The tokenizer under the processor's chat template (the one that knows image parts), when the
     two differ; the tokenizer itself otherwise."""
-    template = processor.chat_template or tokenizer.chat_template
+    template = chat_template(processor)
     if template == tokenizer.chat_template:
         return tokenizer
     found = _VIEWS.get(tokenizer)

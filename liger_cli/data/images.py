@@ -130,7 +130,7 @@ def processor_source(tokenizer) -> tuple[str, bool]:
 
 def processor_for(tokenizer):
     """The model's processor (AutoProcessor, loaded once per tokenizer); a UserError when the model has
-    none that handles images, or neither it nor the tokenizer has a chat template."""
+    none that handles images, or it has no chat template."""
     found = _PROCESSORS.get(tokenizer)
     if found is not None:
         return found
@@ -140,21 +140,27 @@ def processor_for(tokenizer):
     try:
         processor = AutoProcessor.from_pretrained(source, trust_remote_code=remote)
     except (OSError, ValueError, ImportError) as err:
-        raise UserError(f"data error: rows with images need the model's processor, and {source} has none "
-                        f"that loads: {str(err).splitlines()[0]}; save the processor beside the model "
-                        "(processor.save_pretrained)") from None  # fmt: skip
+        raise UserError(
+            f"data error: rows with images need the model's processor, and {source} has none that loads: "
+            f"{str(err).splitlines()[0]}; save the processor beside the model (processor.save_pretrained)"
+        ) from None
     if getattr(processor, "image_processor", None) is None or getattr(processor, "image_token", None) is None:
         raise UserError(
             f"data error: rows with images need the model's processor, and {source} has none with an image "
             "processor and an image token (processor_config.json); use a vision-language model or text rows"
         )
-    if not (processor.chat_template or getattr(processor.tokenizer, "chat_template", None)):
+    if not chat_template(processor):
         raise UserError(
             f"data error: the processor at {source} has no chat template, so image rows cannot be rendered; "
             "add chat_template.jinja to the model folder"
         )
     _PROCESSORS[tokenizer] = processor
     return processor
+
+
+def chat_template(processor):
+    """The processor's chat template, else its tokenizer's (as its apply_chat_template takes them)."""
+    return processor.chat_template or getattr(processor.tokenizer, "chat_template", None)
 
 
 def processor_hash(tokenizer) -> str:
