@@ -12,7 +12,8 @@ Formats:
   the output (+ eos).
 - chat: `{"messages": [...], "tools": [...] (optional)}`, rendered with the tokenizer's own chat
   template; the loss covers the assistant turns (all, or only the last), their end-of-turn token
-  included, with or without their reasoning.
+  included, with or without their reasoning. Other turns may carry images as content parts, encoded
+  by the model's processor (liger_cli.data.image_rows); their examples keep the image tensors.
 
 Problems that can be what the user meant are warnings with stable codes (WARNINGS), each naming
 the file, the row and the field; problems that cannot be are UserErrors (exit 2).
@@ -36,6 +37,7 @@ from liger_cli.data.encode import (
     truncate,
 )
 from liger_cli.data.files import FORMAT_FIELDS, ROW_COLUMN, where
+from liger_cli.data.images import IMAGE_COLUMNS, IMAGE_FILES, IMAGES_COLUMN
 from liger_cli.data.mix import fraction_orders, mixture
 from liger_cli.data.preference import PAIR_COLUMNS
 from liger_cli.data.processes import encode_table, tokenizing_processes
@@ -60,6 +62,7 @@ WARNINGS = {
 }
 
 TRUNCATED_AWAY = "every learned token is past max_seq_len"
+CUT_IMAGE = "truncation at max_seq_len cuts an image's tokens"
 PACK_CHUNK = 1000  # examples packed together: a packed row never joins examples of two chunks
 
 
@@ -153,15 +156,20 @@ def _kind(fmt: str) -> str:
     return fmt if fmt in ("preference", "prompt") else "example"
 
 
-def encoder(fmt: str, data_cfg: DataConfig):
+def encoder(fmt: str, data_cfg: DataConfig, images: Path | None = None):
     """The function (rows, tokenizer) -> each row's Encoded, or the ValueError a template problem of
-    that row raised, for the format and the recipe's chat options."""
+    that row raised, for the format and the recipe's chat options. `images`: the folder image paths
+    are relative to, for a chat source with image rows (liger_cli.data.image_rows)."""
     if fmt == "chat":
         from liger_cli.data.chat_batch import encode_chats
 
         turns = getattr(data_cfg, "learn_turns", "all")
         reasoning = getattr(data_cfg, "learn_reasoning", True)
-        return lambda rows, tokenizer: encode_chats(rows, tokenizer, turns, reasoning)
+        if images is not None:
+            from liger_cli.data.image_rows import image_chat_encoder
+
+            return image_chat_encoder(images, turns, reasoning)
+        return lambda rows, tokenizer: without_images(encode_chats(rows, tokenizer, turns, reasoning), rows)
     encode = {"text": encode_text, "instruction": encode_instruction}[fmt]
 
     def each(rows, tokenizer):
@@ -175,6 +183,18 @@ def encoder(fmt: str, data_cfg: DataConfig):
         return found
 
     return each
+
+
+def without_images(found: list, rows: list[dict]) -> list:
+    """A row with an image part on a path that does not read images (a stream) is an error, never
+    text with image placeholders and no pixels."""
+    from liger_cli.data.images import image_parts
+
+    return [
+        ValueError(f'field "{image_parts(row["messages"])[0][0]}": rows with images cannot be streamed; '
+                   "set data.streaming: false") if image_parts(row["messages"]) else enc
+        for row, enc in zip(rows, found, strict=True)
+    ]  # fmt: skip
 
 
 def _shown_path(source: Source) -> Path:
@@ -197,6 +217,11 @@ def _encode(rows, source: Source, data_cfg: DataConfig, tokenizer):
 
 def _part(entry, data_cfg: DataConfig, order: list[int] | None) -> Split:
     path = _shown_path(entry.source)
+    if data_cfg.packing and IMAGES_COLUMN in entry.table.column_names:
+        raise UserError(
+            f"data error: {path}: packing does not apply to rows with images (a packed row would join "
+            "several rows' image tensors); set data.packing: false"
+        )
     split = split_of(entry.table, path, data_cfg.max_seq_len, data_cfg.packing, order, entry.status)
     split.processes = entry.processes
     pairs = entry.source.format == "preference"
@@ -220,7 +245,7 @@ def _part(entry, data_cfg: DataConfig, order: list[int] | None) -> Split:
 def _finish(split: Split, data_cfg: DataConfig) -> None:
     """The dataset training receives: the model's columns, packed when packing is on."""
     names = split.examples.column_names
-    kept = [c for c in ("input_ids", "labels", "position_ids") if c in names]
+    kept = [c for c in ("input_ids", "labels", "position_ids", IMAGES_COLUMN) if c in names]
     if "prompt_ids" in names:  # prompts (online RL), with the file row for the sampling keys
         kept = ["prompt_ids", "prompt", "fields", "row"]
     split.dataset = split.examples.select_columns(kept or list(PAIR_COLUMNS))
@@ -233,17 +258,19 @@ def _finish(split: Split, data_cfg: DataConfig) -> None:
     log.info("data: %s: %d examples%s, %d tokens", split.path, len(split.examples), packed_into, n_tokens)
 
 
-def batch_encoder(path: Path, fmt: str, data_cfg: DataConfig, tokenizer):
+def batch_encoder(path: Path, fmt: str, data_cfg: DataConfig, tokenizer, images: Path | None = None):
     """The function {column: values} -> encoded columns, one row each: encode and truncate every row; a
     row with nothing left to learn is marked dropped (DROP_COLUMN), every warning goes into its row's
-    WARNINGS_COLUMN. The cached path maps it over a source's rows; the stream calls it on each chunk."""
-    encode, max_len = encoder(fmt, data_cfg), data_cfg.max_seq_len
+    WARNINGS_COLUMN. The cached path maps it over a source's rows; the stream calls it on each chunk.
+    `images` (see `encoder`) adds the image columns (liger_cli.data.images); a row whose truncation
+    cuts an image is dropped, as the model needs every token of each image it is given."""
+    encode, max_len = encoder(fmt, data_cfg, images), data_cfg.max_seq_len
     answer_field = {"text": "text", "instruction": "output", "chat": "messages"}[fmt]
     start_field = {"text": "text", "instruction": "instruction", "chat": "messages"}[fmt]
 
     def encode_batch(batch: dict[str, list]) -> dict[str, list]:
         names = ("input_ids", "labels", "position_ids", "row", "length", DROP_COLUMN, WARNINGS_COLUMN)
-        out: dict[str, list] = {name: [] for name in names}
+        out: dict[str, list] = {name: [] for name in names + (IMAGE_COLUMNS if images is not None else ())}
         notes, kept = [], []  # per row: its warnings; per kept row: (position, ids, labels, turns)
         rows = [{k: v[j] for k, v in batch.items()} for j in range(len(batch[ROW_COLUMN]))]
         for j, (row, enc) in enumerate(zip(rows, encode(rows, tokenizer), strict=True)):
@@ -269,6 +296,18 @@ def batch_encoder(path: Path, fmt: str, data_cfg: DataConfig, tokenizer):
                     f"truncation at max_seq_len={max_len} cuts every answer ({len(enc.input_ids)} tokens), "
                     "so the model never sees one end; raise data.max_seq_len",
                 ])  # fmt: skip
+            if (
+                not drop
+                and images is not None
+                and any(
+                    s + n > max_len
+                    for s, n in zip(getattr(enc, "starts", []), getattr(enc, "counts", []), strict=True)
+                )
+            ):
+                drop, ids, labels = CUT_IMAGE, [], []
+            if images is not None:  # a dropped row keeps its files: the cache's image key covers them
+                for name, value in zip(IMAGE_COLUMNS, _image_values(enc), strict=True):
+                    out[name].append(value if not drop or name == IMAGE_FILES else type(value)())
             if not drop:
                 kept.append((j, ids, labels, enc.turns))
             notes.append(found)
@@ -287,9 +326,22 @@ def batch_encoder(path: Path, fmt: str, data_cfg: DataConfig, tokenizer):
     return encode_batch
 
 
+def _image_values(enc) -> tuple:
+    """The image columns' values for an encoded row (empty for a row without images)."""
+    return (
+        getattr(enc, "images", b""),
+        getattr(enc, "files", []),
+        getattr(enc, "starts", []),
+        getattr(enc, "counts", []),
+    )
+
+
 def _encode_rows(rows, path: Path, fmt: str, data_cfg: DataConfig, tokenizer):
     """Encode and truncate every row (`batch_encoder`), batches of 1000 rows through `datasets`' map."""
-    encode_batch, max_len = batch_encoder(path, fmt, data_cfg, tokenizer), data_cfg.max_seq_len
+    from liger_cli.data.images import has_images
+
+    images = (path.parent if path.is_file() else path) if fmt == "chat" and has_images(rows) else None
+    encode_batch, max_len = batch_encoder(path, fmt, data_cfg, tokenizer, images), data_cfg.max_seq_len
     fingerprint = f"liger-{fmt}-{max_len}-{len(rows)}"
     return encode_table(rows, encode_batch, fingerprint, tokenizing_processes(data_cfg, len(rows)))
 

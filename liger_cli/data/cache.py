@@ -7,6 +7,10 @@ fresh tokenization. Its key is the sha256 of everything the encoding depends on:
 - the tokenizer: its files, chat template, special token ids (liger_cli.data.hashing.tokenizer_hash);
 - the data section's encoding options: format, max_seq_len, learn_turns, learn_reasoning;
 - CACHE_VERSION and the transformers / tokenizers versions.
+An entry of image rows (liger_cli.data.images) also records an image key: the sha256 of every image
+file its rows read (data: URIs are in the data file) and of the processor's files. A hit needs the
+image key computed now to match, so changing an image's bytes or the processor's sizes rebuilds the
+entry (the images are found from the entry's own rows, so a source without images never pays for it).
 Not in the key, because they are applied after reading the entry: weights (the mixture),
 eval_fraction, packing and the seed. So changing a weight or packing re-uses every entry.
 
@@ -28,6 +32,7 @@ from pathlib import Path
 
 from liger_cli.data.files import quiet_datasets
 from liger_cli.data.hashing import tokenizer_hash
+from liger_cli.data.images import IMAGE_FILES, image_key
 from liger_cli.data.sources import Source, content_hash
 
 log = logging.getLogger(__name__)
@@ -73,8 +78,9 @@ def entry_key(source: Source, data_cfg, tokenizer) -> str | None:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
-def load_entry(root: Path, key: str):
-    """The entry's table, or None when there is none; a broken entry is removed (and logged)."""
+def load_entry(root: Path, key: str, tokenizer=None):
+    """The entry's table, or None when there is none; a broken entry, or one whose images or processor
+    changed since it was written (its image key), is removed (and logged)."""
     import datasets
 
     folder = root / key
@@ -87,6 +93,12 @@ def load_entry(root: Path, key: str):
         if meta.get("key") != key or len(table) != meta.get("rows"):
             raise ValueError("its record does not match its rows")
         table.data.validate()
+        if meta.get("images") is not None and meta["images"] != _image_key(table, tokenizer):
+            log.info(
+                "data cache: %s: an image or the processor changed since it was built; rebuilding", folder
+            )
+            shutil.rmtree(folder, ignore_errors=True)
+            return None
     except Exception as err:  # noqa: BLE001 - any unreadable entry is rebuilt, never used
         log.warning("data cache: %s is unreadable (%s); removing and rebuilding it", folder, err)
         shutil.rmtree(folder, ignore_errors=True)
@@ -94,7 +106,17 @@ def load_entry(root: Path, key: str):
     return table
 
 
-def save_entry(root: Path, key: str, table, source: Source) -> Path:
+def _image_key(table, tokenizer) -> str | None:
+    """The image key of a table of image rows (None for other tables), from its image files column."""
+    if IMAGE_FILES not in table.column_names:
+        return None
+    import pyarrow.compute as pc
+
+    files = pc.unique(pc.list_flatten(table.data.column(IMAGE_FILES))).to_pylist()
+    return image_key(files, tokenizer)
+
+
+def save_entry(root: Path, key: str, table, source: Source, tokenizer=None) -> Path:
     """Write under a temporary name, then rename into place (another process may have won: keep theirs)."""
     folder = root / key
     tmp = root / f"{key}.tmp-{socket.gethostname()}-{os.getpid()}"
@@ -103,6 +125,8 @@ def save_entry(root: Path, key: str, table, source: Source) -> Path:
     with quiet_datasets():
         table.save_to_disk(str(tmp))
     record = {"key": key, "rows": len(table), "source": str(source), "format": source.format}
+    if (images := _image_key(table, tokenizer)) is not None:
+        record["images"] = images
     (tmp / ENTRY_FILE).write_text(json.dumps(record, indent=2))
     try:
         os.replace(tmp, folder)
@@ -124,6 +148,8 @@ class Entry:
     status: str = "off"
     processes: int = 0
     """How many processes tokenized it in this run (0: read from the cache)."""
+    tokenizer: object | None = None
+    """The tokenizer it is encoded with (an entry of image rows checks its processor's files)."""
 
 
 def look_up(source: Source, data_cfg, tokenizer) -> Entry:
@@ -132,11 +158,11 @@ def look_up(source: Source, data_cfg, tokenizer) -> Entry:
     key = entry_key(source, data_cfg, tokenizer) if root is not None else None
     if key is None:
         return Entry(source)
-    table = load_entry(root, key)
+    table = load_entry(root, key, tokenizer)
     if table is None:
-        return Entry(source, root, key)
+        return Entry(source, root, key, tokenizer=tokenizer)
     log.info("data cache: hit for %s (%s)", source, root / key)
-    return Entry(source, root, key, table, f"hit ({root / key})")
+    return Entry(source, root, key, table, f"hit ({root / key})", tokenizer=tokenizer)
 
 
 def keep(entry: Entry, fresh) -> None:
@@ -145,12 +171,12 @@ def keep(entry: Entry, fresh) -> None:
     if entry.root is None:
         return
     try:
-        folder = save_entry(entry.root, entry.key, fresh, entry.source)
+        folder = save_entry(entry.root, entry.key, fresh, entry.source, entry.tokenizer)
     except OSError as err:
         log.warning("data cache: cannot write under %s (%s); going on without the cache", entry.root, err)
         entry.status = f"off (cannot write {entry.root})"
         return
     log.info("data cache: built %s for %s", folder, entry.source)
-    table = load_entry(entry.root, entry.key)
+    table = load_entry(entry.root, entry.key, entry.tokenizer)
     entry.table = fresh if table is None else table
     entry.status = f"built ({folder})"

@@ -135,7 +135,13 @@ def _turn_end(tokenizer, messages, tools, i: int, full: str, alone: str) -> int:
     """Where turn i ends in `full` when the template renders it differently there (see step 3)."""
     edited = [dict(m) for m in messages]
     content = edited[i].get("content") or ""
-    edited[i]["content"] = content + ("Q" if content.endswith("Z") else "Z")
+    if isinstance(content, list):  # text parts: the last one is edited
+        parts = [dict(p) for p in content]
+        last = next(p for p in reversed(parts) if p.get("type") == "text")
+        last["text"] += "Q" if last["text"].endswith("Z") else "Z"
+        edited[i]["content"] = parts
+    else:
+        edited[i]["content"] = content + ("Q" if content.endswith("Z") else "Z")
     content_end = len(full) - common_suffix(full, render(tokenizer, edited, tools))
     alone_edited = render(tokenizer, edited[: i + 1], tools)
     closer = alone[len(alone) - common_suffix(alone, alone_edited) :]

@@ -111,3 +111,18 @@ def pack_table(dataset, max_seq_len: int, chunk: int):
             pieces[name].append(pa.ListArray.from_arrays(offsets, values))
     arrays = {name: pa.chunked_array(found, type=kinds[name]) for name, found in pieces.items()}
     return datasets.Dataset(InMemoryTable(pa.table(arrays)))
+
+
+def flat_values(dataset, name: str) -> np.ndarray:
+    """The values of a list column, every row's list joined in the dataset's order (a selection applied
+    by index arithmetic, not row by row)."""
+    import pyarrow.compute as pc
+
+    values, rows = _stored(dataset, name)
+    flat = pc.list_flatten(values).to_numpy(zero_copy_only=False)
+    if rows is None:
+        return flat
+    lengths = pc.list_value_length(values).to_numpy(zero_copy_only=False).astype(np.int64)
+    starts, taken = np.cumsum(lengths) - lengths, lengths[rows]
+    into = np.cumsum(taken) - taken
+    return flat[np.arange(taken.sum()) - np.repeat(into, taken) + np.repeat(starts[rows], taken)]

@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from liger_cli.data.images import IMAGES_COLUMN, batch_images
+
 if TYPE_CHECKING:
     import torch
 
@@ -115,6 +117,8 @@ class Collator:
         self.pad_to_multiple_of = pad_to_multiple_of
 
     def __call__(self, features: Sequence[dict]) -> dict[str, torch.Tensor]:
+        """Rows with images (an IMAGES_COLUMN) add the processor's image tensors, joined along dim 0
+        (liger_cli.data.images.batch_images)."""
         length = max(len(f["input_ids"]) for f in features)
         if self.pad_to_multiple_of:
             length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
@@ -136,7 +140,10 @@ class Collator:
             del batch["attention_mask"]
         import torch  # here, not at the top: `liger data` reads a cached table without it
 
-        return {k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}
+        out = {k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}
+        if any(f.get(IMAGES_COLUMN) for f in features):
+            out.update(batch_images([f.get(IMAGES_COLUMN) for f in features]))
+        return out
 
 
 def collate(features: Sequence[dict], pad_token_id: int) -> dict[str, torch.Tensor]:

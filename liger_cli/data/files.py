@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from liger_cli.data.images import check_part, image_parts
 from liger_cli.errors import UserError
 
 # Loaders by file extension: the `datasets` packaged builder that reads each one.
@@ -151,7 +152,8 @@ def _check_instruction_row(row: dict) -> str | None:
 
 def _check_chat_row(row: dict) -> str | None:
     """messages: [{role, content}], where an assistant turn may carry tool_calls instead of content,
-    and reasoning_content (its reasoning, for templates that render it); tools: optional schemas."""
+    and reasoning_content (its reasoning, for templates that render it); a turn's content may be a list of
+    text and (not for the assistant) image parts (liger_cli.data.images); tools: optional schemas."""
     messages = row.get("messages")
     if messages is None:
         return 'field "messages" is missing'
@@ -178,7 +180,14 @@ def _check_chat_row(row: dict) -> str | None:
         content = message.get("content")
         if content is None and not calls:
             return f'field "messages[{i}].content" is missing'
-        if content is not None and not isinstance(content, str):
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                problem = check_part(part) if isinstance(part, dict) else "a part must be an object"
+                if not problem and role == "assistant" and part.get("type") != "text":
+                    problem = "an assistant turn's parts must be text (images are for the other turns)"
+                if problem:
+                    return f'field "messages[{i}].content[{j}]": {problem}'
+        elif content is not None and not isinstance(content, str):
             return f'field "messages[{i}].content" must be a string, found {_type_name(content)}'
         reasoning = message.get("reasoning_content")
         if reasoning is not None and (role != "assistant" or not isinstance(reasoning, str)):
@@ -206,7 +215,7 @@ def _check_prompt_row(row: dict) -> str | None:
             return f'field "prompt[{i}]" must be an object with "role" and "content"'
     if prompt[-1]["role"] == "assistant":
         return 'field "prompt": the last message is the assistant\'s; end with the turn to answer'
-    return None
+    return _no_images(prompt, "prompt")
 
 
 def _check_preference_row(row: dict) -> str | None:
@@ -234,6 +243,9 @@ def _check_preference_row(row: dict) -> str | None:
             problem = 'field "messages" is empty'
         if problem:
             return problem.replace('"messages', f'"{name}', 1)
+    for name in kinds:
+        if problem := _no_images(row[name], name):
+            return problem
     for side in ("chosen", "rejected"):
         if row[side][-1].get("role") != "assistant":
             return f'field "{side}": its last message must be the assistant\'s answer'
@@ -244,6 +256,14 @@ def _check_preference_row(row: dict) -> str | None:
                 'without "prompt", chosen and rejected must be whole conversations that share every message '
                 "but the last; add a prompt field, or make their earlier messages equal"
             )
+    return None
+
+
+def _no_images(messages: list, name: str) -> str | None:
+    """Images are read for chat rows only; elsewhere a placeholder without pixels would be trained on."""
+    found = image_parts(messages)
+    if found:
+        return f'field "{found[0][0].replace("messages", name, 1)}": images are read in format chat only'
     return None
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from liger_cli.data.images import IMAGE_COLUMNS, IMAGES_COLUMN
 from liger_cli.data.split import Share, Split
 from liger_cli.errors import UserError
 
@@ -55,6 +56,20 @@ def draw(n: int, k: int, seed: int, position: int) -> list[int]:
     return list(range(n)) * repeats + sorted(rng.choice(n, size=rest, replace=False).tolist())
 
 
+def same_columns(tables: list) -> list:
+    """Sources with images beside sources without: the latter get the image columns, empty (no image)."""
+    with_images = [t for t in tables if IMAGES_COLUMN in t.column_names]
+    if not with_images or len(with_images) == len(tables):
+        return tables
+    features, out = with_images[0].features, []
+    for table in tables:
+        for name in IMAGE_COLUMNS if IMAGES_COLUMN not in table.column_names else ():
+            empty = b"" if name == IMAGES_COLUMN else []
+            table = table.add_column(name, [empty] * len(table), feature=features[name])
+        out.append(table)
+    return out
+
+
 def mixture(parts: list[Split], weights: list[float] | None, seed: int) -> Split:
     """One split from several: by weight (train; a seeded order), or each part whole, in order (eval)."""
     import datasets
@@ -70,7 +85,7 @@ def mixture(parts: list[Split], weights: list[float] | None, seed: int) -> Split
     if weights is not None:
         order = np.random.default_rng(seed).permutation(len(picked))
         picked = [picked[k] for k in order]
-    together = datasets.concatenate_datasets([part.examples for part in parts])
+    together = datasets.concatenate_datasets(same_columns([part.examples for part in parts]))
     split = Split(
         Path(" + ".join(str(part.path) for part in parts)),
         sum(part.rows for part in parts),

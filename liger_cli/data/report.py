@@ -18,8 +18,16 @@ from pathlib import Path
 import numpy as np
 
 from liger_cli.data.build import WARNINGS, Split
-from liger_cli.data.columns import histogram, learned_per_example, list_lengths, numbers, pack_starts
+from liger_cli.data.columns import (
+    flat_values,
+    histogram,
+    learned_per_example,
+    list_lengths,
+    numbers,
+    pack_starts,
+)
 from liger_cli.data.encode import IGNORE_INDEX
+from liger_cli.data.images import IMAGE_FILES, IMAGE_STARTS, IMAGE_TOKENS
 from liger_cli.data.preference import PAIR_COLUMNS
 from liger_cli.errors import UserError
 
@@ -113,10 +121,28 @@ def report_text(name: str, split: Split) -> str:
         f"  {packing}",
         _length_line("length (tokens before truncation)", before),
         *_histogram(before, split.max_seq_len),
+        *_image_lines(ex, n_tokens),
         f"  cache: {split.cache}",
         _tokenized_line(split),
     ]
     return "\n".join(lines)
+
+
+def _image_lines(ex, n_tokens: int) -> list[str]:
+    """For image rows: how many images, how many tokens each became, and where they sit."""
+    if IMAGE_TOKENS not in ex.column_names:
+        return []
+    counts, starts = flat_values(ex, IMAGE_TOKENS), flat_values(ex, IMAGE_STARTS)
+    rows = int((list_lengths(ex, IMAGE_TOKENS) > 0).sum())
+    if not len(counts):
+        return ["  images: none kept"]
+    image_tokens = int(counts.sum())
+    return [
+        f"  images: {len(counts):,} in {rows:,} of {len(ex):,} examples, {image_tokens:,} image tokens "
+        f"({image_tokens / max(n_tokens, 1):.1%} of tokens, never learned)",
+        _length_line("tokens per image", counts),
+        _length_line("first token of each image", starts),
+    ]
 
 
 def mixture_text(name: str, split: Split) -> str:
@@ -213,7 +239,13 @@ def show_examples(console, split: Split, tokenizer, n: int) -> None:
             console.print(
                 f"\n--- {source_path(split, k).name} {head}: {len(ids)} tokens{cut}, {sum(learned[1:])} learned ---"
             )
-            console.print(_marked(ids, learned, tokenizer, special, plain, Text()))
+            text, cursor = Text(), 0
+            for i, (file, start, count) in enumerate(_images_of(ex)):  # each image's run as one mark
+                console.print(f"image {i + 1}: {file}, tokens {start}-{start + count - 1} ({count} tokens)")
+                _marked(ids[cursor:start], learned[cursor:start], tokenizer, special, plain, text)
+                text.append(f"<image {i + 1}: {count} tokens>", style=None if plain else "bold cyan")
+                cursor = start + count
+            console.print(_marked(ids[cursor:], learned[cursor:], tokenizer, special, plain, text))
 
 
 def _marked(ids, learned, tokenizer, special, plain: bool, text):
@@ -228,6 +260,12 @@ def _marked(ids, learned, tokenizer, special, plain: bool, text):
             style = ("bold magenta" if is_special else "") + (" on dark_green" if is_learned else "")
             text.append(piece, style=style.strip() or None)
     return text
+
+
+def _images_of(ex: dict) -> list[tuple[str, int, int]]:
+    """(file as shown, first token, tokens) of each image of one example."""
+    files = [str(_shown(Path(f))) if f else "data: URI" for f in ex.get(IMAGE_FILES) or []]
+    return list(zip(files, ex.get(IMAGE_STARTS) or [], ex.get(IMAGE_TOKENS) or [], strict=True))
 
 
 def write_jsonl(path: Path, splits) -> int:

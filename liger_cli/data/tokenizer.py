@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from liger_cli.data.images import remember_model
 from liger_cli.errors import UserError
 from liger_cli.recipe import Recipe
 
@@ -16,6 +17,7 @@ def load_tokenizer(recipe: Recipe):
         raise UserError(
             f"cannot load a tokenizer from {source}: {err}; set model.tokenizer to a tokenizer folder"
         ) from None
+    remember_model(tokenizer, recipe.model.path, recipe.model.trust_remote_code)  # images' processor
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
