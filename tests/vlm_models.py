@@ -1,0 +1,131 @@
+"""Tiny vision-language models for the tests, saved with `save_pretrained` and loaded back through the real
+`from_pretrained` path, and synthetic image batches for them: input_ids holding the model's image token as
+many times as its vision tower makes features, and matching random pixel inputs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+QUICKSTART_MODEL = Path(__file__).resolve().parents[1] / "recipes" / "quickstart" / "model"
+IMAGE_TOKENS = {"llava": 4, "qwen2_vl": 4}
+"""Tokens one image becomes: LLaVA, a 28x28 image in 14x14 patches (the CLS feature dropped); Qwen2-VL, a
+56x56 image in 4x4 patches of 14, merged 2x2."""
+
+
+def _tokenizer(extra: list[str]):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(QUICKSTART_MODEL)
+    tokenizer.add_special_tokens({"additional_special_tokens": extra})
+    return tokenizer
+
+
+def _text(tokenizer, model_type: str, **extra):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(
+        model_type,
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **extra,
+    )
+
+
+def llava_config(tokenizer):
+    from transformers import CLIPVisionConfig, LlavaConfig
+
+    vision = CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        image_size=28, patch_size=14, projection_dim=32,
+    )  # fmt: skip
+    return LlavaConfig(
+        text_config=_text(tokenizer, "llama"),
+        vision_config=vision,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        image_seq_length=IMAGE_TOKENS["llava"],
+        vision_feature_layer=-1,
+        projector_hidden_act="gelu",
+        tie_word_embeddings=False,
+    )
+
+
+def qwen2_vl_config(tokenizer):
+    from transformers import Qwen2VLConfig
+
+    ids = dict(zip(("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"),
+                   tokenizer.convert_tokens_to_ids(QWEN_TOKENS), strict=True))  # fmt: skip
+    text = _text(
+        tokenizer, "qwen2_vl_text", rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1]}
+    )
+    vision = {"depth": 2, "embed_dim": 32, "hidden_size": 32, "num_heads": 4, "mlp_ratio": 2, "patch_size": 14,
+              "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3}  # fmt: skip
+    return Qwen2VLConfig(text_config=text.to_dict(), vision_config=vision, tie_word_embeddings=False, **ids)
+
+
+QWEN_TOKENS = ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"]
+CONFIGS = {"llava": (llava_config, ["<image>"]), "qwen2_vl": (qwen2_vl_config, QWEN_TOKENS)}
+
+
+def save_tiny_vlm(path: Path, family: str = "llava", seed: int = 0) -> Path:
+    """A tiny VLM of `family` (llava, qwen2_vl) with the quickstart tokenizer plus its image tokens."""
+    from transformers import AutoModelForImageTextToText
+
+    make, tokens = CONFIGS[family]
+    tokenizer = _tokenizer(tokens)
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(make(tokenizer))
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def image_inputs(config, images: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """Random pixel inputs for `images` images, shaped as the family's processor makes them."""
+    if config.model_type == "qwen2_vl":
+        v = config.vision_config
+        per_patch = v.in_channels * v.temporal_patch_size * v.patch_size**2
+        return {
+            "pixel_values": torch.randn(images * 16, per_patch, generator=generator),
+            "image_grid_thw": torch.tensor([[1, 4, 4]] * images),
+        }
+    v = config.vision_config
+    return {"pixel_values": torch.randn(images, 3, v.image_size, v.image_size, generator=generator)}
+
+
+def image_batch(config, rows: list[list[int]], seed: int) -> dict[str, torch.Tensor]:
+    """A batch of rows that each start with one image (its tokens, never learned) then their text
+    (learned), padded on the right; pixel inputs from `seed`. Qwen2-VL also gets `mm_token_type_ids` (its
+    processor's output, which its M-RoPE positions need); no position_ids: the model computes its own."""
+    image_id = config.image_token_id
+    n = IMAGE_TOKENS[config.model_type]
+    pad = config.get_text_config().pad_token_id
+    start = [config.vision_start_token_id] if config.model_type == "qwen2_vl" else []
+    length = max(len(start) + n + len(r) for r in rows)
+    ids, labels, mask, types = [], [], [], []
+    for row in rows:
+        head = [*start, *[image_id] * n]
+        tokens = head + row
+        fill = length - len(tokens)
+        ids.append(tokens + [pad] * fill)
+        labels.append([-100] * len(head) + row + [-100] * fill)
+        mask.append([1] * len(tokens) + [0] * fill)
+        types.append([0] * len(start) + [1] * n + [0] * (len(row) + fill))
+    batch = {
+        "input_ids": torch.tensor(ids),
+        "labels": torch.tensor(labels),
+        "attention_mask": torch.tensor(mask),
+    }
+    if config.model_type == "qwen2_vl":
+        batch["mm_token_type_ids"] = torch.tensor(types)
+    return batch | image_inputs(config, len(rows), torch.Generator().manual_seed(seed))
