@@ -103,29 +103,60 @@ def image_inputs(config, images: int, generator: torch.Generator) -> dict[str, t
     return {"pixel_values": torch.randn(images, 3, v.image_size, v.image_size, generator=generator)}
 
 
-def image_batch(config, rows: list[list[int]], seed: int) -> dict[str, torch.Tensor]:
-    """A batch of rows that each start with one image (its tokens, never learned) then their text
-    (learned), padded on the right; pixel inputs from `seed`. Qwen2-VL also gets `mm_token_type_ids` (its
-    processor's output, which its M-RoPE positions need); no position_ids: the model computes its own."""
-    image_id = config.image_token_id
+def image_batch(config, rows: list[tuple[list[int], list[int]]], seed: int) -> dict[str, torch.Tensor]:
+    """A batch of (input_ids, labels) rows, each behind one image (its tokens, never learned), padded on
+    the right; pixel inputs from `seed`. Qwen2-VL also gets `mm_token_type_ids` (its processor's output,
+    which its M-RoPE positions need); no position_ids: the model computes its own."""
     n = IMAGE_TOKENS[config.model_type]
     pad = config.get_text_config().pad_token_id
     start = [config.vision_start_token_id] if config.model_type == "qwen2_vl" else []
-    length = max(len(start) + n + len(r) for r in rows)
-    ids, labels, mask, types = [], [], [], []
-    for row in rows:
-        head = [*start, *[image_id] * n]
-        tokens = head + row
-        fill = length - len(tokens)
-        ids.append(tokens + [pad] * fill)
-        labels.append([-100] * len(head) + row + [-100] * fill)
-        mask.append([1] * len(tokens) + [0] * fill)
-        types.append([0] * len(start) + [1] * n + [0] * (len(row) + fill))
-    batch = {
-        "input_ids": torch.tensor(ids),
-        "labels": torch.tensor(labels),
-        "attention_mask": torch.tensor(mask),
-    }
-    if config.model_type == "qwen2_vl":
-        batch["mm_token_type_ids"] = torch.tensor(types)
-    return batch | image_inputs(config, len(rows), torch.Generator().manual_seed(seed))
+    head = [*start, *[config.image_token_id] * n]
+    length = max(len(head) + len(ids) for ids, _ in rows)
+    batch = {"input_ids": [], "labels": [], "attention_mask": [], "mm_token_type_ids": []}
+    for ids, labels in rows:
+        fill = length - len(head) - len(ids)
+        batch["input_ids"].append(head + list(ids) + [pad] * fill)
+        batch["labels"].append([-100] * len(head) + list(labels) + [-100] * fill)
+        batch["attention_mask"].append([1] * (len(head) + len(ids)) + [0] * fill)
+        batch["mm_token_type_ids"].append([0] * len(start) + [1] * n + [0] * (len(ids) + fill))
+    if config.model_type != "qwen2_vl":
+        del batch["mm_token_type_ids"]
+    tensors = {k: torch.tensor(v) for k, v in batch.items()}
+    return tensors | image_inputs(config, len(rows), torch.Generator().manual_seed(seed))
+
+
+# A driver for `liger_cli.run.train.run` on image rows until the data stage makes them: the run's own
+# loop, with the SFT objective's batches given an image each (`image_batch`). After training it writes
+# the trained model's state and the names of its trainable parameters beside the run's output.
+IMAGE_RUN_DRIVER = """
+import sys
+sys.path.insert(0, sys.argv[2])
+from safetensors.torch import save_file
+from transformers import AutoConfig
+from vlm_models import image_batch
+from liger_cli.model.objectives import CausalLM
+from liger_cli.plan import build_plan
+from liger_cli.recipe import load_recipe
+from liger_cli.run import train
+
+recipe = load_recipe(sys.argv[1])
+config = AutoConfig.from_pretrained(recipe.model.path)
+
+class ImageRows(CausalLM):
+    def collate(self, examples, pad_id):
+        rows = [(list(ex["input_ids"]), list(ex["labels"])) for ex in examples]
+        return image_batch(config, rows, seed=sum(map(sum, (ids for ids, _ in rows))))
+
+real_finish = train.finish
+
+def finish(trainer, last):
+    model = trainer.backend.accelerator.unwrap_model(trainer.model)
+    state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    trainable = ",".join(k for k, p in model.named_parameters() if p.requires_grad)
+    save_file(state, str(recipe.output.dir / "trained.safetensors"), metadata={"trainable": trainable})
+    real_finish(trainer, last)
+
+train.objective_for = lambda recipe: ImageRows()
+train.finish = finish
+train.run(recipe, build_plan(recipe))
+"""

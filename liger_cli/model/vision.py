@@ -130,6 +130,9 @@ def projectors(model: nn.Module) -> list[nn.Module]:
     parts = [tower, language_model(base), _embeddings(base, "input"), _embeddings(base, "output"), *encoders]
     owned = {id(p) for part in parts if part is not None and part is not base for p in part.parameters()}
     outside = _outermost(base, lambda m: m is not base and _all_params_in(m, exclude=owned))
+    copies = getattr(tower, "modules_to_save", None)  # peft's wrapper of a tower trained in full beside
+    if isinstance(copies, nn.ModuleDict) and len(copies):  # an adapter: the projector in its trained copy
+        tower = next(iter(copies.values()))
     if outside or not (lists := block_lists(tower)):
         return outside
     blocks = max((lst for _, lst in lists), key=len)

@@ -89,20 +89,21 @@ def describe(model: nn.Module) -> str | None:
         "language model": [m for m in [language_model(base)] if m is not None],
         "lm_head": [m for m in [base.get_output_embeddings()] if m is not None],
     }
-    seen: set[int] = set()
+    seen: set[int] = set()  # parameters and modules of the parts said before
     said = {}
     for name, modules in parts.items():
         own = [p for m in modules for p in m.parameters() if id(p) not in seen]
-        seen.update(id(p) for p in own)
+        inner = [m for module in modules for m in module.modules() if id(m) not in seen]
+        seen.update([*map(id, own), *map(id, inner)])
         if own:
             where = ", ".join(path[id(m)] for m in modules)
-            said[name] = f"{name}{f' ({where})' if where != name else ''}: {_mode(modules, own)}"
+            said[name] = f"{name}{f' ({where})' if where != name else ''}: {_mode(inner, own)}"
     order = ("vision tower", "projector", "language model", "lm_head")
     return "; ".join(said[name] for name in order if name in said)
 
 
-def _mode(modules: list[nn.Module], params: list[nn.Parameter]) -> str:
-    inner = [m for module in modules for m in module.modules()]
+def _mode(inner: list[nn.Module], params: list[nn.Parameter]) -> str:
+    """How a part trains, from its modules (those of parts said before left out) and its parameters."""
     if any(hasattr(m, "modules_to_save") and hasattr(m, "original_module") for m in inner):
         return "full (peft modules_to_save)"
     if any(hasattr(m, "lora_A") for m in inner):
