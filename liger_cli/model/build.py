@@ -147,11 +147,11 @@ def adapter_in_model_dtype(recipe: Recipe) -> bool:
 def add_adapter(model: nn.Module, recipe: Recipe, low_cpu_mem_usage: bool = False) -> nn.Module:
     """peft's own LoRA/DoRA; `low_cpu_mem_usage` builds the adapter on the meta device too. What of a
     vision-language model trains is set here too (`vision_training.py`), adapter or not."""
-    from liger_cli.model import vision_training
+    from liger_cli.model.vision_training import check_applies, set_full_training
 
-    vision_training.check_applies(model, recipe)
+    check_applies(model, recipe)
     if recipe.adapter.type == "none":
-        vision_training.set_full_training(model, recipe)
+        set_full_training(model, recipe)
         return model
     from peft import get_peft_model
 
