@@ -34,9 +34,10 @@ def check_applies(model: nn.Module, recipe: Recipe) -> None:
     """The vision keys set on a model without a vision tower are an error, never ignored."""
     m = recipe.model
     if vision_tower(model) is None and (m.vision != "frozen" or m.train_projector is not None):
+        name = type(unwrapped(model)).__name__
         raise UserError(
-            f"model.vision and model.train_projector apply to a vision-language model, and "
-            f"{type(unwrapped(model)).__name__} has no vision tower: remove them"
+            f"model.vision and model.train_projector apply to a vision-language model, and {name} has no "
+            "vision tower: remove them"
         )
 
 
