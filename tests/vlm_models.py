@@ -126,8 +126,9 @@ def image_batch(config, rows: list[tuple[list[int], list[int]]], seed: int) -> d
 
 
 # A driver for `liger_cli.run.train.run` on image rows until the data stage makes them: the run's own
-# loop, with the SFT objective's batches given an image each (`image_batch`). After training it writes
-# the trained model's state and the names of its trainable parameters beside the run's output.
+# loop, with the SFT objective's batches given an image each (`image_batch`). After training on one
+# process it writes the trained model's state and the names of its trainable parameters beside the
+# run's output. Under torchrun each rank runs it.
 IMAGE_RUN_DRIVER = """
 import sys
 sys.path.insert(0, sys.argv[2])
@@ -150,6 +151,8 @@ class ImageRows(CausalLM):
 real_finish = train.finish
 
 def finish(trainer, last):
+    if trainer.backend.accelerator.num_processes > 1:  # sharded tensors: the run's own checks only
+        return real_finish(trainer, last)
     model = trainer.backend.accelerator.unwrap_model(trainer.model)
     state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
     trainable = ",".join(k for k, p in model.named_parameters() if p.requires_grad)
