@@ -190,6 +190,21 @@ def test_vision_keys_where_they_cannot_apply_are_errors(tiny_model_dir, vlm_dirs
         load_recipe(
             write_recipe(tmp_path, f"{{path: {vlm_dirs['llava']}, vision: lora}}", adapter="{type: none}")
         )
+    llava = vlm_dirs["llava"]
+    with pytest.raises(
+        UserError, match=r"model.quantize nf4 loads the linear layers in 4 bits, which cannot train"
+    ):
+        load_recipe(write_recipe(tmp_path, f"{{path: {llava}, quantize: nf4, train_projector: true}}"))
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text("{}")
+    with pytest.raises(
+        UserError, match=r"adapter.init brings its own .*: remove model.vision and model.train_"
+    ):
+        load_recipe(
+            write_recipe(
+                tmp_path, f"{{path: {llava}, vision: lora}}", adapter=f"{{init: {tmp_path / 'adapter'}}}"
+            )
+        )
     text_model = write_recipe(tmp_path, f"{{path: {tiny_model_dir}, train_projector: true}}", "text")
     proc = subprocess.run([sys.executable, "-m", "liger_cli", "train", str(text_model), "--dry-run"],
                           capture_output=True, text=True, timeout=300)  # fmt: skip

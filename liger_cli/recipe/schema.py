@@ -349,11 +349,15 @@ class Recipe(_Section):
             )
 
     def _vision_needs(self) -> None:
-        """`model.vision: lora` needs an adapter; an adapter.init brings its own targets and trained modules."""
+        """`model.vision: lora` needs an adapter; 4-bit weights train through it only; an adapter.init brings
+        its own targets and trained modules."""
         m, a = self.model, self.adapter
         if m.vision == "lora" and a.type == "none":
             raise ValueError("model.vision lora puts the adapter into the vision tower, but adapter.type is none: "
                              "set adapter.type lora (or dora), or model.vision full")  # fmt: skip
+        if m.quantize != "none" and (m.vision == "full" or m.train_projector):
+            raise ValueError(f"model.quantize {m.quantize} loads the linear layers in 4 bits, which cannot train in "
+                             "full: set model.vision frozen or lora and model.train_projector false")  # fmt: skip
         if a.init is not None and (m.vision != "frozen" or m.train_projector is not None):
             raise ValueError("adapter.init brings its own targets and trained modules: remove model.vision "
                              "and model.train_projector")  # fmt: skip
