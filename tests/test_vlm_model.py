@@ -213,6 +213,41 @@ def test_vision_keys_where_they_cannot_apply_are_errors(tiny_model_dir, vlm_dirs
     assert len(lines) == 1 and "no vision tower: remove them" in lines[0] and "Traceback" not in proc.stderr
 
 
+# --- the forward -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_fused_loss_in_a_vlm_forward_is_its_own_loss_on_an_image_batch(vlm_dirs, family) -> None:
+    """The run's SFT loss (`causal_lm_loss`: every batch key to the forward, a step's token count as
+    `num_items_in_batch`) with our fused loss at the language head equals transformers' own, and so do
+    the gradients reaching the vision tower and the projector through the image features."""
+    from liger_kernels import patch_model
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from liger_cli.model.objectives.causal_lm import causal_lm_loss, label_units
+
+    config = AutoConfig.from_pretrained(vlm_dirs[family])
+    batch = image_batch(config, [([5, 6, 7, 8, 9], [-100, -100, 7, 8, 9]), ([10, 11], [10, 11])], seed=5)
+    num_items = label_units(batch) + 4  # the step's count: this micro-batch and others
+    found = []
+    for fused in (False, True):
+        model = AutoModelForImageTextToText.from_pretrained(vlm_dirs[family])
+        if fused:
+            report = patch_model(model, rms_norm=False, rope=False, swiglu=False)
+            assert report.patched == {"fused_linear_cross_entropy": 1}, report.lines()
+        loss = causal_lm_loss(model, batch, num_items)
+        loss.backward()
+        found.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (plain, plain_grads), (fused, fused_grads) = found
+    assert torch.allclose(plain, fused, rtol=1e-5) and plain.item() > 0
+    assert plain_grads.keys() == fused_grads.keys()
+    assert any(under(n, TOWER[family]) for n in plain_grads) and any(
+        under(n, PROJECTOR[family]) for n in plain_grads
+    )
+    for name, grad in plain_grads.items():
+        assert torch.allclose(grad, fused_grads[name], rtol=1e-4, atol=1e-6), name
+
+
 # --- the Plan -----------------------------------------------------------------------------------------
 
 

@@ -23,23 +23,11 @@ def _tokenizer(extra: list[str]):
 
 
 def _text(tokenizer, model_type: str, **extra):
+    """The tests' tiny text model sizes (conftest's), as the text config of `model_type`."""
+    from conftest import tiny_llama_settings
     from transformers import AutoConfig
 
-    return AutoConfig.for_model(
-        model_type,
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        **extra,
-    )
+    return AutoConfig.for_model(model_type, **{**tiny_llama_settings(tokenizer), **extra})
 
 
 def llava_config(tokenizer):
