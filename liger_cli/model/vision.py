@@ -1,11 +1,12 @@
-"""Vision-language models: telling one from its config, and finding its parts (tower, blocks, language model).
+"""Vision-language models: telling one from its config, and finding its parts (tower, projector, blocks,
+language model).
 
 Detection goes by transformers' own auto mappings, never by a list of model names: a config class that
 `AutoModelForImageTextToText` maps is a VLM when it is not a causal LM, or when it carries a
 `vision_config` (Gemma 3 is in both mappings). The parts are found the way transformers finds them
 (`get_encoder(modality="image")`, `get_decoder()`), with the module built from `config.vision_config`
-as the fallback. What trains by default: the vision tower is frozen, everything else trains
-(`freeze_vision`).
+as the fallback; the projector by elimination (`projectors`). Which parts a run trains is
+`vision_training.py`'s; `freeze_vision` is `inspect-wrap --vision`'s.
 """
 
 from __future__ import annotations
