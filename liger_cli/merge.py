@@ -68,12 +68,16 @@ def merge_adapter(run_dir: Path, out_dir: Path, overwrite: bool = False) -> Merg
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     adapter_dir, base = check_merge(run_dir, out_dir, overwrite)
     quantized = quantization_of(run_dir)
-    from peft import AutoPeftModelForCausalLM
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from peft import PeftModel
+    from transformers import AutoTokenizer
 
-    # Always the full-precision base as it is on disk (a QLoRA run's too: never its 4-bit weights).
-    adapted = AutoPeftModelForCausalLM.from_pretrained(adapter_dir, dtype="auto")
-    probe = verify.random_probe(adapted.config.vocab_size)
+    from liger_cli.model import model_class, read_config
+
+    # Always the full-precision base as it is on disk (a QLoRA run's too: never its 4-bit weights),
+    # built by its auto class (a vision-language model's too).
+    auto = model_class(read_config(Path(base)))
+    adapted = PeftModel.from_pretrained(auto.from_pretrained(base, dtype="auto"), adapter_dir)
+    probe = verify.random_probe(adapted.config)
     expected = verify.logits_of(adapted, probe)
     on_4bit = adapter_on_4bit_logits(adapter_dir, base, quantized, probe) if quantized else None
     model = adapted.merge_and_unload()
@@ -83,7 +87,7 @@ def merge_adapter(run_dir: Path, out_dir: Path, overwrite: bool = False) -> Merg
         (tmp / MERGE_MARKER).touch()
         model.save_pretrained(tmp, safe_serialization=True)
         AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(tmp)
-        merged = AutoModelForCausalLM.from_pretrained(tmp, dtype="auto")
+        merged = auto.from_pretrained(tmp, dtype="auto")
         diff, relative = verify.logit_difference(expected, verify.logits_of(merged, probe))
         rtol = verify.logit_rtol(merged.dtype)
         if relative > rtol:
@@ -127,8 +131,8 @@ def quantization_of(run_dir: Path) -> str | None:
 def adapter_on_4bit_logits(adapter_dir: Path, base: str, quantized: str, probe) -> torch.Tensor:
     """The adapter on the 4-bit base, loaded as the run loaded it: what was trained, on the probe."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
+    from liger_cli.model import model_class, read_config
     from liger_cli.model import quantize as q
     from liger_cli.model.build import DTYPES
 
@@ -136,6 +140,7 @@ def adapter_on_4bit_logits(adapter_dir: Path, base: str, quantized: str, probe) 
     dtype = DTYPES.get(settings.get("dtype"), torch.float32)
     config = q.quantization_config(quantized, settings.get("quantize_double", True), dtype)
     kwargs = {k: settings[k] for k in ("trust_remote_code", "attn_implementation") if settings.get(k)}
-    model = AutoModelForCausalLM.from_pretrained(base, quantization_config=config, dtype=dtype, **kwargs)
+    auto = model_class(read_config(Path(base), bool(kwargs.get("trust_remote_code"))))
+    model = auto.from_pretrained(base, quantization_config=config, dtype=dtype, **kwargs)
     q.after_loading(model)
     return verify.logits_of(PeftModel.from_pretrained(model, adapter_dir), probe)

@@ -234,8 +234,10 @@ def test_detection_goes_by_the_config(tmp_path):
 
     folder = tiny_folder("qwen2_vl", str(tmp_path))
     assert type(build_meta_model(str(folder))).__name__ == "Qwen2VLForConditionalGeneration"
-    with pytest.raises(UserError, match="not a causal language model"):  # `train` still builds causal LMs
-        meta_model_from_config(folder)
+    built = meta_model_from_config(folder)  # what `train` builds: the same class, from the same detection
+    assert type(built).__name__ == "Qwen2VLForConditionalGeneration"
+    with pytest.raises(UserError, match="not a causal language model or vision-language model"):
+        meta_model_from_config(save_tiny_config("clip", tmp_path / "clip", shrink=False))  # neither
     llama = build_meta_model(str(REPO / "tests" / "configs" / "llama-3-8b"))
     assert type(llama).__name__ == "LlamaForCausalLM"
     assert resolve_wrap_classes(llama, env={}).added == []

@@ -210,15 +210,13 @@ def _one_process(recipe: Recipe) -> Recipe:
 
 
 def _load_run_model(target: Target, recipe: Recipe):
-    from liger_cli.model import add_adapter, load_base_model, model_dtype
+    from liger_cli.model import add_adapter, load_base_model, model_class, model_dtype, read_config
 
     weights = target.weights
-    if (weights / "config.json").is_file():  # a full fine-tune's final model
-        from transformers import AutoModelForCausalLM
-
+    if (weights / "config.json").is_file():  # a full fine-tune's final model (a VLM's: its own class)
         m = recipe.model
         kwargs = {"attn_implementation": m.attn_implementation} if m.attn_implementation else {}
-        return AutoModelForCausalLM.from_pretrained(
+        return model_class(read_config(weights, m.trust_remote_code)).from_pretrained(
             weights, dtype=model_dtype(recipe), trust_remote_code=m.trust_remote_code, **kwargs
         )
     base = load_base_model(recipe)

@@ -1,6 +1,6 @@
 """Stage 3, the model: the recipe's model (real, or on the meta device), its adapter, activation
 checkpointing and our kernels patched into the instance (`build.py`); a vision-language model's parts
-and what of it trains (`vision.py`, for `inspect-wrap`); and what its loss on a batch is
+(`vision.py`) and which of them train (`vision_training.py`); and what its loss on a batch is
 (`objectives/`), which the run trains with and the twin's checks prove.
 
 Takes plain decisions (which kernels, which checkpointing) rather than the Plan, which is decided
@@ -16,6 +16,7 @@ from liger_cli.model.build import (
     load_base_model,
     meta_model_from_config,
     meta_twin,
+    model_class,
     model_dtype,
     patch_kernels,
     read_config,
@@ -31,6 +32,7 @@ __all__ = [
     "load_base_model",
     "meta_model_from_config",
     "meta_twin",
+    "model_class",
     "model_dtype",
     "patch_kernels",
     "read_config",

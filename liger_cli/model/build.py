@@ -47,28 +47,28 @@ def read_config(source: Path, trust_remote_code: bool = False):
         raise UserError(f"cannot read a model config from {source}: {first}") from None
 
 
+def model_class(config):
+    """The auto class a config builds: `AutoModelForImageTextToText` for a vision-language model (told from
+    the config by transformers' own mappings: `vision.is_vision_language`), `AutoModelForCausalLM`
+    otherwise. Every place that builds or loads the recipe's model asks here."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from liger_cli.model.vision import is_vision_language
+
+    return AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+
+
 def meta_model_from_config(
     source: Path,
     trust_remote_code: bool = False,
     dtype: torch.dtype | None = None,
     attn_implementation=None,
-    vision_language: bool = False,
 ) -> nn.Module:
-    """A causal LM from its config on the meta device: structure only, no weights read or allocated.
-
-    `dtype` None keeps the config's own dtype (what the checkpoint holds). With `vision_language`, a
-    config that transformers maps to `AutoModelForImageTextToText` (see `vision.is_vision_language`)
-    builds that class instead (`inspect-wrap` plans VLMs; `train` builds causal LMs only)."""
+    """The model of a config (`model_class`) on the meta device: structure only, no weights read or
+    allocated. `dtype` None keeps the config's own dtype (what the checkpoint holds)."""
     import warnings
 
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-    from liger_cli.model.vision import is_vision_language
-
     config = read_config(source, trust_remote_code)
-    auto = AutoModelForCausalLM
-    if vision_language and is_vision_language(config):
-        auto = AutoModelForImageTextToText
     if dtype is None:
         dtype = config.dtype if isinstance(getattr(config, "dtype", None), torch.dtype) else torch.float32
     kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code}
@@ -77,18 +77,18 @@ def meta_model_from_config(
     try:
         with torch.device("meta"), warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
-            model = auto.from_config(config, **kwargs)
+            model = model_class(config).from_config(config, **kwargs)
     except ValueError as err:
-        what = "model" if vision_language else "causal language model"
-        raise UserError(f"{source}: not a {what} transformers can build: {err}") from None
+        raise UserError(
+            f"{source}: not a causal language model or vision-language model transformers can build: {err}"
+        ) from None
     model.config.use_cache = False
     return model
 
 
 def load_base_model(recipe: Recipe) -> nn.Module:
-    """`from_pretrained` for a model folder, `from_config` (seeded random init) for model.config."""
-    from transformers import AutoModelForCausalLM
-
+    """`from_pretrained` for a model folder, `from_config` (seeded random init) for model.config; a
+    vision-language config builds its image-text-to-text class (`model_class`)."""
     m = recipe.model
     kwargs = {"dtype": model_dtype(recipe), "trust_remote_code": m.trust_remote_code}
     if m.attn_implementation:
@@ -98,21 +98,26 @@ def load_base_model(recipe: Recipe) -> nn.Module:
         kwargs["quantization_config"] = quantize.quantization_config(
             m.quantize, m.quantize_double, kwargs["dtype"], storage
         )
+    config = read_config(m.path or m.config, m.trust_remote_code)
     if m.path is not None:
-        model = AutoModelForCausalLM.from_pretrained(m.path, **kwargs, **m.load_kwargs)
+        model = model_class(config).from_pretrained(m.path, **kwargs, **m.load_kwargs)
         if m.quantize != "none":
             quantize.after_loading(model)
     else:
         torch.manual_seed(recipe.training.seed)
-        model = AutoModelForCausalLM.from_config(read_config(m.config, m.trust_remote_code), **kwargs)
+        model = model_class(config).from_config(config, **kwargs)
     # A cache during recompute grows and breaks checkpointing
     # (see docs/field-failures.md#checkpointing-recomputes-different-shapes).
     model.config.use_cache = False
     return model
 
 
-def _peft_config(recipe: Recipe):
+def _peft_config(recipe: Recipe, model: nn.Module):
+    """peft's config for the recipe's adapter on `model`; on a VLM kept to its language model
+    (`vision_training.adapter_scope`)."""
     from peft import LoraConfig, PeftConfig
+
+    from liger_cli.model.vision_training import adapter_scope
 
     a = recipe.adapter
     if a.init is not None:  # the starting adapter's own configuration
@@ -127,6 +132,7 @@ def _peft_config(recipe: Recipe):
         target_modules=a.target_modules,
         use_dora=a.type == "dora",
         task_type="CAUSAL_LM",
+        **adapter_scope(model, recipe),
     )
 
 
@@ -139,8 +145,13 @@ def adapter_in_model_dtype(recipe: Recipe) -> bool:
 
 
 def add_adapter(model: nn.Module, recipe: Recipe, low_cpu_mem_usage: bool = False) -> nn.Module:
-    """peft's own LoRA/DoRA; `low_cpu_mem_usage` builds the adapter on the meta device too."""
+    """peft's own LoRA/DoRA; `low_cpu_mem_usage` builds the adapter on the meta device too. What of a
+    vision-language model trains is set here too (`vision_training.py`), adapter or not."""
+    from liger_cli.model.vision_training import check_applies, set_full_training
+
+    check_applies(model, recipe)
     if recipe.adapter.type == "none":
+        set_full_training(model, recipe)
         return model
     from peft import get_peft_model
 
@@ -156,7 +167,7 @@ def add_adapter(model: nn.Module, recipe: Recipe, low_cpu_mem_usage: bool = Fals
             )  # fmt: skip
         return get_peft_model(
             model,
-            _peft_config(recipe),
+            _peft_config(recipe, model),
             low_cpu_mem_usage=low_cpu_mem_usage,
             autocast_adapter_dtype=not adapter_in_model_dtype(recipe),
         )
@@ -210,14 +221,14 @@ def twin_adapter(recipe: Recipe):
         return None
     from peft import get_peft_model
 
-    config = _peft_config(recipe)
-    config.init_lora_weights = False
     m = recipe.model
 
     def add(model: nn.Module) -> nn.Module:
         if m.quantize != "none":  # the twin's linear layers in 4 bits, as the run's base is loaded
             quantize.require_bitsandbytes(recipe.model.quantize)
             quantize.quantize_linears(model, m.quantize, m.quantize_double)
+        config = _peft_config(recipe, model)
+        config.init_lora_weights = False
         return get_peft_model(model, config)
 
     return add
@@ -242,11 +253,10 @@ def meta_twin(peft_model: nn.Module) -> nn.Module:
     import copy
 
     from peft import get_peft_model
-    from transformers import AutoModelForCausalLM
 
     base = peft_model.get_base_model()
     with torch.device("meta"):
-        twin_base = AutoModelForCausalLM.from_config(base.config)
+        twin_base = model_class(base.config).from_config(base.config)
     twin_base.name_or_path = base.name_or_path
     name = peft_model.active_adapter
     return get_peft_model(twin_base, copy.deepcopy(peft_model.peft_config[name]), adapter_name=name)

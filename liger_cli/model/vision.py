@@ -1,11 +1,12 @@
-"""Vision-language models: telling one from its config, and finding its parts (tower, blocks, language model).
+"""Vision-language models: telling one from its config, and finding its parts (tower, projector, blocks,
+language model).
 
 Detection goes by transformers' own auto mappings, never by a list of model names: a config class that
 `AutoModelForImageTextToText` maps is a VLM when it is not a causal LM, or when it carries a
 `vision_config` (Gemma 3 is in both mappings). The parts are found the way transformers finds them
 (`get_encoder(modality="image")`, `get_decoder()`), with the module built from `config.vision_config`
-as the fallback. What trains by default: the vision tower is frozen, everything else trains
-(`freeze_vision`).
+as the fallback; the projector by elimination (`projectors`). Which parts a run trains is
+`vision_training.py`'s; `freeze_vision` is `inspect-wrap --vision`'s.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def is_vision_language(config) -> bool:
     )
 
 
-def _base(model: nn.Module) -> nn.Module:
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The transformers model inside a peft wrapper (the model itself without one)."""
     get_base = getattr(model, "get_base_model", None)  # through a peft wrapper
     return get_base() if callable(get_base) else model
 
@@ -42,7 +44,7 @@ def vision_tower(model: nn.Module) -> nn.Module | None:
     sub-model, as in PI0 or T5Gemma 2, or named `encoder`, as in VisionEncoderDecoder). A candidate that
     also holds the text embeddings (T5Gemma 2's encoder) is not the vision tower.
     """
-    base = _base(model)
+    base = unwrapped(model)
     try:
         embed = base.get_input_embeddings()
     except (AttributeError, NotImplementedError):
@@ -78,7 +80,7 @@ def vision_tower(model: nn.Module) -> nn.Module | None:
 
 def language_model(model: nn.Module) -> nn.Module | None:
     """The text decoder (`get_decoder()`), None when transformers names none."""
-    base = _base(model)
+    base = unwrapped(model)
     try:
         decoder = base.get_decoder()
     except (AttributeError, TypeError, ValueError, NotImplementedError):
@@ -109,6 +111,64 @@ def block_classes(module: nn.Module | None) -> list[str]:
     if module is None:
         return []
     return list(dict.fromkeys(type(item).__name__ for _, lst in block_lists(module) for item in lst))
+
+
+def projectors(model: nn.Module) -> list[nn.Module]:
+    """The multimodal projector, as the outermost modules that hold it; [] without a vision tower.
+
+    Found by elimination, never by name: the modules holding parameters that belong to none of the vision
+    tower, the language model, the embeddings and the other encoders (sub-models whose main input is not
+    token ids: an audio tower, a video tower). That is LLaVA's and Gemma 3's `multi_modal_projector`,
+    Idefics 3's `connector`, BLIP-2's Q-Former with its `language_projection`. A model with nothing
+    there keeps its projector inside the tower: the tower's modules registered after its (longest list
+    of) blocks, e.g. Qwen2-VL's `visual.merger` (Qwen3-VL's deepstack mergers too).
+    """
+    base = unwrapped(model)
+    tower = vision_tower(base)
+    if tower is None:
+        return []
+    encoders = [m for m in base.modules() if getattr(m, "main_input_name", "input_ids") != "input_ids"]
+    parts = [tower, language_model(base), _embeddings(base, "input"), _embeddings(base, "output"), *encoders]
+    owned = {id(p) for part in parts if part is not None and part is not base for p in part.parameters()}
+    outside = _outermost(base, lambda m: m is not base and _all_params_in(m, exclude=owned))
+    copies = getattr(tower, "modules_to_save", None)  # peft's wrapper of a tower trained in full beside
+    if isinstance(copies, nn.ModuleDict) and len(copies):  # an adapter: the projector in its trained copy
+        tower = next(iter(copies.values()))
+    if outside or not (lists := block_lists(tower)):
+        return outside
+    blocks = max((lst for _, lst in lists), key=len)
+    order = {id(m): i for i, m in enumerate(tower.modules())}
+    end = max(order[id(m)] for m in blocks.modules())
+    holds_blocks = {id(m) for m in tower.modules() if any(x is blocks for x in m.modules())}
+    return _outermost(
+        tower, lambda m: order[id(m)] > end and id(m) not in holds_blocks and _all_params_in(m, set())
+    )
+
+
+def _embeddings(base: nn.Module, which: str) -> nn.Module | None:
+    try:
+        found = getattr(base, f"get_{which}_embeddings")()
+    except (AttributeError, NotImplementedError):
+        return None
+    return found if isinstance(found, nn.Module) else None
+
+
+def _all_params_in(module: nn.Module, exclude: set[int]) -> bool:
+    """`module` holds parameters, none of them in `exclude`."""
+    params = list(module.parameters())
+    return bool(params) and not any(id(p) in exclude for p in params)
+
+
+def _outermost(root: nn.Module, wanted) -> list[nn.Module]:
+    """The modules under `root` for which `wanted` holds, none inside another found one, in model order."""
+    found: list[nn.Module] = []
+    inside: set[int] = set()
+    for module in root.modules():
+        if id(module) in inside or not wanted(module):
+            continue
+        found.append(module)
+        inside.update(id(m) for m in module.modules())
+    return found
 
 
 def freeze_vision(model: nn.Module, mode: str = "frozen") -> None:

@@ -22,6 +22,8 @@ from torch import nn
 
 from liger_cli.errors import UserError
 from liger_cli.model import adapter_in_model_dtype, build_meta_model_for
+from liger_cli.model.vision import is_vision_language
+from liger_cli.model.vision_training import describe as describe_training
 from liger_cli.plan.backends import BACKENDS, BackendFacts
 from liger_cli.plan.wrap.resolve import resolve_wrap_classes
 from liger_cli.recipe import Recipe
@@ -53,6 +55,8 @@ class Plan:
     wrap_source: str | None = None
     quantize: str = "none"
     """The base's 4-bit quantization (QLoRA), or none."""
+    trains: str | None = None
+    """A vision-language model's parts and how each trains (None for a text model)."""
     notes: tuple[str, ...] = ()
 
     @property
@@ -72,6 +76,7 @@ class Plan:
             ("model", self.model),
             *([("quantize", self.quantize)] if self.quantize != "none" else []),
             ("adapter", self.adapter),
+            *([("trains", self.trains)] if self.trains else []),
             ("kernels requested", ", ".join(on) or "none"),
             ("activation ckpt", f"{self.activation_checkpointing} ({self.activation_checkpointing_reason})"),
             (
@@ -138,6 +143,9 @@ def build_plan(recipe: Recipe, model: nn.Module | None = None, env: Mapping[str,
         if verdict.error:
             raise UserError(verdict.error)
         notes.append(verdict.line)
+    if model is None and is_vision_language(config):  # the Plan says which of its parts train
+        model = build_meta_model_for(recipe)
+    trains = describe_training(model) if model is not None else None
     wrap_classes = wrap_source = None
     if backend.fsdp_version:
         model = build_meta_model_for(recipe) if model is None else model
@@ -169,6 +177,7 @@ def build_plan(recipe: Recipe, model: nn.Module | None = None, env: Mapping[str,
         wrap_classes=wrap_classes,
         wrap_source=wrap_source,
         quantize=quantize,
+        trains=trains,
         notes=tuple(notes),
     )
 

@@ -194,7 +194,7 @@ def _from_config(path: Path, trust_remote_code: bool, dtype: torch.dtype | None)
 
     if path.is_dir() and not (path / "config.json").is_file():
         raise UserError(f"{path} has no config.json: {_SPEC_HELP}")
-    return meta_model_from_config(path, trust_remote_code, dtype, vision_language=True)
+    return meta_model_from_config(path, trust_remote_code, dtype)
 
 
 def _from_factory(spec: str) -> nn.Module:

@@ -46,6 +46,12 @@ class ModelSection(_Section):
     """QLoRA: load the base's linear layers in 4 bits through bitsandbytes (compute in model.dtype)."""
     quantize_double: bool = True
     """Quantize the 4-bit blocks' scales too (double quantization); only with quantize nf4/fp4."""
+    vision: Literal["frozen", "lora", "full"] = "frozen"
+    """A vision-language model's vision tower: frozen, lora (the adapter goes into its linear layers too;
+    needs adapter.type lora or dora) or full (all its weights train). Only for a vision-language model."""
+    train_projector: bool | None = None
+    """A vision-language model's multimodal projector (between vision tower and language model) trains
+    in full; default: true under full fine-tuning (adapter.type none), false with an adapter."""
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSection:
@@ -296,6 +302,7 @@ class Recipe(_Section):
     @model_validator(mode="after")
     def _objective_and_data(self) -> Recipe:
         objective, fmt = self.training.objective, self.data.format
+        self._vision_needs()
         if objective == "grpo" or fmt == "prompt" or self.rl is not None:
             check_rl(self)
             return self
@@ -340,6 +347,20 @@ class Recipe(_Section):
                 "training.eval_samples needs prompts, and format text rows have none (everything is learned): "
                 "use data.format instruction or chat, or remove training.eval_samples"
             )
+
+    def _vision_needs(self) -> None:
+        """`model.vision: lora` needs an adapter; 4-bit weights train through it only; an adapter.init brings
+        its own targets and trained modules."""
+        m, a = self.model, self.adapter
+        if m.vision == "lora" and a.type == "none":
+            raise ValueError("model.vision lora puts the adapter into the vision tower, but adapter.type is none: "
+                             "set adapter.type lora (or dora), or model.vision full")  # fmt: skip
+        if m.quantize != "none" and (m.vision == "full" or m.train_projector):
+            raise ValueError(f"model.quantize {m.quantize} loads the linear layers in 4 bits, which cannot train in "
+                             "full: set model.vision frozen or lora and model.train_projector false")  # fmt: skip
+        if a.init is not None and (m.vision != "frozen" or m.train_projector is not None):
+            raise ValueError("adapter.init brings its own targets and trained modules: remove model.vision "
+                             "and model.train_projector")  # fmt: skip
 
     def _quantized_needs(self) -> None:
         """A 4-bit base trains only through an adapter, and only where its weights can be placed."""

@@ -42,14 +42,26 @@ class NotVerified(RunFailed):
 
 
 def probe_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The model inputs of a collated batch's first rows and tokens (labels and bookkeeping dropped)."""
+    """The model inputs of a collated batch's first rows and tokens (labels dropped). A batch with image
+    inputs (any key beyond the text ones: `pixel_values`, `image_grid_thw`, ...) is kept whole, its rows
+    uncut: those tensors are per image, not per row, and cutting tokens could cut an image's tokens."""
+    if set(batch) - {*MODEL_INPUTS, "labels"}:
+        return {k: v for k, v in batch.items() if k != "labels"}
     return {k: v[:PROBE_ROWS, :PROBE_TOKENS] for k, v in batch.items() if k in MODEL_INPUTS}
 
 
-def random_probe(vocab_size: int) -> dict[str, torch.Tensor]:
-    """A fixed probe of token ids where there is no data (merge): the same ids on every call."""
+def random_probe(config) -> dict[str, torch.Tensor]:
+    """A fixed probe of token ids where there is no data (merge): the same ids on every call, drawn from
+    the text vocabulary, never a special id the config names (`image_token_id`, `vision_start_token_id`:
+    a VLM would look for the image they stand for)."""
+    text = config.get_text_config(decoder=True)
+    special = [
+        v for k, v in vars(config).items() if k.endswith(("token_id", "token_index")) and type(v) is int
+    ]
     generator = torch.Generator().manual_seed(0)
-    return {"input_ids": torch.randint(vocab_size, (PROBE_ROWS, PROBE_TOKENS // 2), generator=generator)}
+    ids = torch.randint(text.vocab_size, (PROBE_ROWS, PROBE_TOKENS // 2), generator=generator)
+    plain = next(i for i in range(text.vocab_size) if i not in special)
+    return {"input_ids": ids.masked_fill(torch.isin(ids, torch.tensor(special, dtype=ids.dtype)), plain)}
 
 
 @torch.no_grad()
@@ -121,18 +133,18 @@ def verify_final(
 
 
 def load_final(recipe, final: Path) -> nn.Module:
-    """The final output as a user loads it: transformers for a full model; the recipe's base (the same
+    """The final output as a user loads it: transformers for a full model (its auto class); the recipe's base (the same
     dtype and loading arguments as the run's) with peft's `PeftModel.from_pretrained` for an adapter."""
     from liger_cli.model import load_base_model, model_dtype
 
     m = recipe.model
     if recipe.adapter.type == "none":
-        from transformers import AutoModelForCausalLM
+        from liger_cli.model import model_class, read_config
 
         kwargs = {"dtype": model_dtype(recipe), "trust_remote_code": m.trust_remote_code}
         if m.attn_implementation:
             kwargs["attn_implementation"] = m.attn_implementation
-        return AutoModelForCausalLM.from_pretrained(final, **kwargs)
+        return model_class(read_config(final, m.trust_remote_code)).from_pretrained(final, **kwargs)
     from peft import PeftModel
 
     return PeftModel.from_pretrained(load_base_model(recipe), final)

@@ -5,7 +5,9 @@ tokens (`num_items`, summed over every micro-batch and process of the optimizer 
 own `num_items_in_batch` path (transformers' `ForCausalLMLoss`, and our fused loss the same way).
 Added over micro-batches and processes, that is the mean over the step's label tokens, whatever the
 split; the twin's accumulation check (`liger_cli.twin.pipeline_check`) proves it on the user's model
-through these same functions.
+through these same functions. Every key of the batch goes to the forward as a keyword: a
+vision-language model's `pixel_values`, `image_grid_thw`, ... reach its `ForConditionalGeneration`
+forward, whose loss (ours, fused, or transformers') takes the same `num_items_in_batch`.
 """
 
 from __future__ import annotations

@@ -139,15 +139,24 @@ def vision_classes(model: nn.Module) -> list[str]:
     """A VLM's units: its language model's and its vision tower's block classes (some `_no_split_modules`
     name only the attention, or nothing), then the tower class itself, so that the tower's other parameters
     (patch embedding, norms), frozen by default, do not share the root unit with the trainable projector
-    and language model (FSDP-1 flattens a unit into one tensor). [] for a text model."""
-    from liger_cli.model.vision import block_classes, is_vision_language, language_model, vision_tower
+    and language model (FSDP-1 flattens a unit into one tensor); then a projector inside the tower (Qwen2-VL's
+    merger), which trains while the tower is frozen (`model.train_projector`). [] for a text model."""
+    from liger_cli.model.vision import (
+        block_classes,
+        is_vision_language,
+        language_model,
+        projectors,
+        vision_tower,
+    )
 
     tower = vision_tower(model)
     config = getattr(model, "config", None)
     if tower is None and (config is None or not is_vision_language(config)):
         return []
     blocks = [*block_classes(language_model(model)), *block_classes(tower)]
-    return list(dict.fromkeys([*blocks, *([type(tower).__name__] if tower is not None else [])]))
+    inside = {id(m) for m in tower.modules()} if tower is not None else set()
+    nested = [type(p).__name__ for p in projectors(model) if id(p) in inside and p is not tower]
+    return list(dict.fromkeys([*blocks, *([type(tower).__name__] if tower is not None else []), *nested]))
 
 
 def no_wrap_warning(model: nn.Module, root_bytes: int) -> WrapWarning:
