@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from liger_cli.twin.shrink import position_sizes, shrink_config, shrink_positions
+from liger_cli.twin.shrink_vision import shrink_vision
 
 PARAM_LIMIT = 5_000_000  # tiny_causal_lm refuses to allocate a twin larger than this
 
@@ -47,16 +48,27 @@ def _position_tables(model, config) -> bool:
 
 
 def _from_config(config, **kwargs):
-    from transformers import AutoModelForCausalLM
+    """The class the run builds: `AutoModelForImageTextToText` for a vision-language config."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    from liger_cli.model.vision import is_vision_language
+
+    auto = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return AutoModelForCausalLM.from_config(config, **kwargs)
+        return auto.from_config(config, **kwargs)
 
 
 def _meta_twin(config, kwargs: dict):
     """(shrunk config, its model on the meta device); the first error if no shrink builds."""
     tiny = shrink_config(config)
+    smaller = copy.deepcopy(tiny)
+    if shrink_vision(smaller, config):  # a vision tower and its picture small too, when that builds
+        try:
+            with torch.device("meta"):
+                return smaller, _from_config(smaller, **kwargs)
+        except Exception:  # noqa: BLE001 - the settings shrink_config left build (or fail) below
+            pass
     try:
         with torch.device("meta"):
             return tiny, _from_config(tiny, **kwargs)
@@ -78,7 +90,8 @@ def tiny_causal_lm(
     trust_remote_code: bool = False,
     max_params: int = PARAM_LIMIT,
 ):
-    """`AutoModelForCausalLM.from_config(shrink_config(config))`, seeded, on CPU, in train mode.
+    """`AutoModelForCausalLM.from_config(shrink_config(config))` (`AutoModelForImageTextToText` for a
+    vision-language config), seeded, on CPU, in train mode.
 
     The twin is first built on the meta device: if that fails, or it has more than `max_params`
     parameters, `TinyModelError` says why in one line and nothing is allocated. A learned position table
