@@ -125,7 +125,9 @@ def _language_model(causal_lm: nn.Module) -> tuple[nn.Module | None, str]:
     path = next((n for n, m in causal_lm.named_modules() if m is decoder), "?")
     return decoder, (
         f"patched inside the language model ({path}, {type(decoder).__name__}) and its head only: "
-        "the vision tower, the projector and the rest are left as they are"
+        "the vision tower, the projector and the rest are left as they are; rotary embeddings (a "
+        "multimodal M-RoPE's sections included) compute their cos/sin as before, rope replaces only "
+        "their application where the family's apply_rotary_pos_emb is proven equal"
     )
 
 

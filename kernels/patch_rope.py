@@ -133,7 +133,9 @@ def patch_rope(module: nn.Module, cache: dict):
         return None
     if "apply_rotary_pos_emb" not in code.co_names:
         other = _other_rotary(innermost)
-        return f"{type(module).__name__} calls {other}, which we do not compute: left as it is" if other else None
+        if other is None:
+            return None
+        return f"{type(module).__name__} calls {other}, which we do not compute: left as it is"
     family_rope = innermost.__globals__.get("apply_rotary_pos_emb")
     if family_rope is None or not _family_rope_matches(family_rope):
         family = sys.modules.get(type(module).__module__, None)

@@ -62,11 +62,22 @@ def _widths(cfg, tiny, old_vision) -> bool:
     return changed
 
 
+def _pair(value) -> tuple[int, int] | None:
+    """(height, width) of an int or a 2-sequence of ints (InternVL's image and patch sizes)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value, value
+    if isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(v, int) for v in value):
+        return tuple(value)
+    return None
+
+
 def _picture(tiny, vision) -> bool:
-    size, patch = stored(vision, "image_size"), stored(vision, "patch_size")
-    if not (isinstance(size, int) and isinstance(patch, int) and size > PATCHES_A_SIDE * patch):
+    size, patch = _pair(stored(vision, "image_size")), _pair(stored(vision, "patch_size"))
+    if size is None or patch is None or size[0] <= PATCHES_A_SIDE * patch[0]:
         return False
-    vision.image_size = PATCHES_A_SIDE * patch
+    new = tuple(PATCHES_A_SIDE * p for p in patch)
+    old = stored(vision, "image_size")
+    vision.image_size = new[0] if isinstance(old, int) else type(old)(new)
     tokens = stored(tiny, "mm_tokens_per_image")
     if isinstance(tokens, int) and tokens > TOKENS_PER_IMAGE and math.isqrt(tokens) ** 2 == tokens:
         tiny.mm_tokens_per_image = TOKENS_PER_IMAGE

@@ -47,13 +47,10 @@ def _position_tables(model, config) -> bool:
     return bool(sizes) and any(dim >= min(sizes) for t in tensors for dim in t.shape)  # OPT adds 2 rows
 
 
-def _from_config(config, **kwargs):
-    """The class the run builds: `AutoModelForImageTextToText` for a vision-language config."""
+def _from_config(config, image_text: bool = False, **kwargs):
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from liger_cli.model.vision import is_vision_language
-
-    auto = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+    auto = AutoModelForImageTextToText if image_text else AutoModelForCausalLM
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return auto.from_config(config, **kwargs)
@@ -89,15 +86,20 @@ def tiny_causal_lm(
     attn_implementation: str | None = "eager",
     trust_remote_code: bool = False,
     max_params: int = PARAM_LIMIT,
+    image_text: bool | None = None,
 ):
-    """`AutoModelForCausalLM.from_config(shrink_config(config))` (`AutoModelForImageTextToText` for a
-    vision-language config), seeded, on CPU, in train mode.
+    """`AutoModelForCausalLM.from_config(shrink_config(config))`, seeded, on CPU, in train mode; the class
+    the run builds, `AutoModelForImageTextToText`, for a vision-language config (`image_text` None: as
+    `liger_cli.model.vision.is_vision_language` says; the causal-LM sweep asks for its own class).
 
     The twin is first built on the meta device: if that fails, or it has more than `max_params`
     parameters, `TinyModelError` says why in one line and nothing is allocated. A learned position table
     of max_position_embeddings rows (GPT-2, OPT) shrinks to 256 rows.
     """
+    from liger_cli.model.vision import is_vision_language
+
     kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code}
+    kwargs["image_text"] = is_vision_language(config) if image_text is None else image_text
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     name = type(config).__name__

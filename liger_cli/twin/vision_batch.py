@@ -21,6 +21,12 @@ from liger_cli.twin.shrink import sub_configs
 from liger_cli.twin.shrink_rules import TOKEN_SUFFIXES
 
 IMAGE_TOKEN_NAMES = ("image_token_id", "image_token_index")
+# image-processor settings that must be the vision config's (processor attribute: config attribute)
+PROCESSOR_SETTINGS = {
+    "patch_size": "patch_size",
+    "temporal_patch_size": "temporal_patch_size",
+    "merge_size": "spatial_merge_size",
+}
 PROCESSOR_PICTURE = 56  # a random picture's side when the config names no image size
 
 
@@ -79,6 +85,10 @@ def _processor_pixels(config, images: int, g: torch.Generator) -> dict | None:
     if name is None:
         return None
     processor = auto.get_image_processor_class_from_name(name)()
+    vision = getattr(config, "vision_config", None)
+    for attribute, source in PROCESSOR_SETTINGS.items():  # the twin's patch grid, not the default one
+        if isinstance(getattr(vision, source, None), int) and hasattr(processor, attribute):
+            setattr(processor, attribute, getattr(vision, source))
     _, height, width = _image_size(config) or (3, PROCESSOR_PICTURE, PROCESSOR_PICTURE)
     pixels = torch.randint(0, 256, (images, height, width, 3), generator=g, dtype=torch.uint8).numpy()
     pictures = [Image.fromarray(np.ascontiguousarray(p)) for p in pixels]
@@ -89,8 +99,7 @@ def _processor_pixels(config, images: int, g: torch.Generator) -> dict | None:
 def _feature_count(output) -> int:
     """How many positions of image features `get_image_features` returned (any of its output forms)."""
     features = getattr(output, "pooler_output", None)
-    if features is None:
-        features = output[0] if isinstance(output, tuple) and not isinstance(output[0], torch.Tensor) else output
+    features = output if features is None else features
     if isinstance(features, torch.Tensor):
         return features.shape[:-1].numel()
     if isinstance(features, (list, tuple)) and all(isinstance(f, torch.Tensor) for f in features):
