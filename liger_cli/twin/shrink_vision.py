@@ -42,7 +42,7 @@ def _depth(cfg) -> bool:
     if not isinstance(depth, int) or depth <= 2:
         return False
     for name, value in list(vars(cfg).items()):
-        is_index_list = isinstance(value, list) and value and all(isinstance(i, int) for i in value)
+        is_index_list = isinstance(value, (list, tuple)) and value and all(isinstance(i, int) for i in value)
         if is_index_list and "index" in name and max(value) < depth:
             cfg.__dict__[name] = ([0] if 0 in value else []) + ([1] if any(i > 0 for i in value) else [])
     cfg.depth = 2
