@@ -188,6 +188,16 @@ def test_llava_with_llama_proves_every_kernel_in_its_language_model():
         assert f"{kernel}: patched {count} modules (Llama" in "\n".join(check.twin_report)
 
 
+def test_qwen2_vl_m_rope_is_computed_as_before_and_its_application_proven():
+    """Qwen2-VL's rotary module makes cos/sin from the 3-D positions of the image batch (never patched);
+    its attention applies them with a rotate_half apply_rotary_pos_emb, which the twin proves equal."""
+    check = check_kernels(vlm_config("qwen2_vl"), ALL)
+    assert check.not_run is None and check.switched_off == {}
+    report = "\n".join(check.twin_report)
+    assert "rope: patched 2 modules (Qwen2VLAttention)" in report
+    assert "compute their cos/sin as before" in report
+
+
 def test_patch_model_leaves_a_vision_tower_alone_that_it_could_patch():
     """Qwen2.5-VL's vision blocks hold RMSNorms and SwiGLU MLPs: patched throughout they would take our
     kernels; patch_model puts them in the language model and on the head only."""
