@@ -3,11 +3,11 @@
 An attention module is a candidate when its forward calls its module's `apply_rotary_pos_emb`; one that
 calls another rotary function (a multimodal M-RoPE that splits the head into sections) is left alone,
 named in the report. The forward may be decorated (functools.wraps): the code read is the innermost
-function's, below every decorator. The module-level function that code really calls (plain, or turned into a callable module by
-the `kernels` hub decorator) is probed against the rotate_half formula; when it matches, the instance
-gets a copy of its class's forward, decorators included, whose globals see our function instead. Calls
-our kernel does not cover (extra arguments, partial rotary, other shapes) go to the family's own
-function at call time, so only the call that was proven equal ever runs our kernel.
+function's, below every decorator. The module-level function that code really calls (plain, or turned
+into a callable module by the `kernels` hub decorator) is probed against the rotate_half formula; when
+it matches, the instance gets a copy of its class's forward, decorators included, whose globals see our
+function instead. Calls our kernel does not cover (extra arguments, partial rotary, other shapes) go to
+the family's own function at call time, so only the call that was proven equal ever runs our kernel.
 """
 
 from __future__ import annotations

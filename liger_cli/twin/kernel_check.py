@@ -223,15 +223,15 @@ def check_kernels(
                 pairs = objective.collate(tiny_pairs(build()), twin_vocab(build())[1])
                 loss_of = lambda model: objective.loss(model, pairs, objective.units(pairs))[0]  # noqa: E731
             wrong, crashed, report = compare_kernels(build, batch, requested, loss_of)
-    except (TinyModelError, ImageBatchError, RuntimeError, ValueError, TypeError) as err:
-        if not vision and not isinstance(err, TinyModelError):
+    except TinyModelError as err:
+        return _not_run(requested, f"no tiny twin: {err}", vision, start)
+    except ImageBatchError as err:
+        return _not_run(requested, f"no image batch: {err}", vision, start)
+    except (RuntimeError, ValueError, TypeError) as err:
+        if not vision:
             raise
-        why = f"no tiny twin: {err}" if isinstance(err, TinyModelError) else f"no image batch: {err}"
-        if not isinstance(err, (TinyModelError, ImageBatchError)):
-            why = f"the twin does not train on its image batch: {type(err).__name__}: {_first(err)}"
-        # a VLM's language model is proven on nothing else: its kernels stay off
-        off = {k: f"not proven ({why})" for k, on in requested.items() if on} if vision else {}
-        return KernelCheck(requested, off, not_run=why, seconds=time.perf_counter() - start)
+        why = f"the twin does not train on its image batch: {type(err).__name__}: {_first(err)}"
+        return _not_run(requested, why, vision, start)
     return KernelCheck(
         requested,
         switched_off={**wrong, **crashed},
@@ -239,6 +239,13 @@ def check_kernels(
         seconds=time.perf_counter() - start,
         loss=_loss_name(objective) if loss_of is not None else "",
     )
+
+
+def _not_run(requested: dict[str, bool], why: str, vision: bool, start: float) -> KernelCheck:
+    """The check could not run: a causal LM keeps its kernels as requested (patch_model's probes still
+    decide each module); a VLM's language model is proven on nothing else, so its kernels stay off."""
+    off = {k: f"not proven ({why})" for k, on in requested.items() if on} if vision else {}
+    return KernelCheck(requested, off, not_run=why, seconds=time.perf_counter() - start)
 
 
 def _first(err: BaseException) -> str:
