@@ -10,6 +10,11 @@ forward computes, checked numerically on probes of its own code (see `_probe.py`
 norms, SwiGLU MLPs and MoE expert gates, the attention's rotary function, and the causal-LM head with
 everything between the decoder and the loss. Everything else stays as it is, and the `PatchReport`
 says why.
+
+Why only the text decoder of a model with more than one (a vision-language model: a vision tower and
+a projector beside its language model): the checks that decide a run's kernels (liger's tiny twin)
+train the language model on text and image tokens; a vision tower's norms and MLPs are not what they
+prove, so they stay as they are, and the report says so.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ class PatchReport:
     patched: dict[str, int] = dataclasses.field(default_factory=dict)
     classes: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+    scope: str = ""
+    """Where the per-module kernels went, when not the whole model (a vision-language model)."""
 
     def _add(self, kernel: str, module: nn.Module) -> None:
         self.patched[kernel] = self.patched.get(kernel, 0) + 1
@@ -43,7 +50,7 @@ class PatchReport:
             names.append(type(module).__name__)
 
     def lines(self) -> list[str]:
-        out = []
+        out = [f"scope: {self.scope}"] if self.scope else []
         for kernel in KERNELS:
             if kernel in self.patched:
                 count = self.patched[kernel]
@@ -76,19 +83,52 @@ def patch_model(
     causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     report = PatchReport()
     cache: dict = {}  # probe results for this call, per class and settings
-    if rms_norm:
-        _patch_each(causal_lm, "rms_norm", patch_rms_norm, report, cache, "no RMSNorm-like module found")
-    if rope:
-        _patch_each(
-            causal_lm, "rope", patch_rope, report, cache, "no attention module calls apply_rotary_pos_emb"
-        )
-    if swiglu:
-        _patch_each(causal_lm, "swiglu", patch_swiglu_mlp, report, cache, "no SwiGLU-shaped MLP found")
+    root, scope = _language_model(causal_lm)
+    if scope:
+        report.scope = scope
+    for kernel, on, patch_one, none_found in (
+        (KERNELS[0], rms_norm, patch_rms_norm, "no RMSNorm-like module found"),
+        (KERNELS[1], rope, patch_rope, "no attention module calls apply_rotary_pos_emb"),
+        (KERNELS[2], swiglu, patch_swiglu_mlp, "no SwiGLU-shaped MLP found"),
+    ):
+        if on and root is None:
+            report.skipped[kernel] = scope
+        elif on:
+            _patch_each(root, kernel, patch_one, report, cache, none_found)
     if cross_entropy:
         _patch_once(causal_lm, "cross_entropy", patch_cross_entropy, report)
     if fused_linear_cross_entropy:
         _patch_once(causal_lm, "fused_linear_cross_entropy", patch_fused_linear_cross_entropy, report)
     return report
+
+
+def _language_model(causal_lm: nn.Module) -> tuple[nn.Module | None, str]:
+    """(where the per-module kernels go, what the report says of the rest).
+
+    A model whose config is its own text config (a causal LM) is patched throughout. One with sub-models
+    (a text config inside a vision-language one) is patched in its text decoder only, as transformers'
+    `get_decoder()` names it; when it names none, nowhere."""
+    config = getattr(causal_lm, "config", None)
+    try:
+        text = config.get_text_config(decoder=True)
+    except (AttributeError, ValueError, TypeError):
+        text = config
+    if text is None or text is config:
+        return causal_lm, ""
+    try:
+        decoder = causal_lm.get_decoder()
+    except (AttributeError, NotImplementedError, TypeError, ValueError):
+        decoder = None
+    name = type(causal_lm).__name__
+    if not isinstance(decoder, nn.Module) or decoder is causal_lm:
+        return None, f"{name} has sub-models besides its text decoder and names no decoder (get_decoder)"
+    path = next((n for n, m in causal_lm.named_modules() if m is decoder), "?")
+    return decoder, (
+        f"patched inside the language model ({path}, {type(decoder).__name__}) and its head only: "
+        "the vision tower, the projector and the rest are left as they are; rotary embeddings (a "
+        "multimodal M-RoPE's sections included) compute their cos/sin as before, rope replaces only "
+        "their application where the family's apply_rotary_pos_emb is proven equal"
+    )
 
 
 def _patch_each(root: nn.Module, kernel: str, patch_one, report: PatchReport, cache: dict, none_found: str):

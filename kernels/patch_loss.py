@@ -363,8 +363,10 @@ def _head_refusal(causal_lm: nn.Module) -> str | None:
     if refusal := _loss_function_refusal(causal_lm):
         return refusal
     config = getattr(causal_lm, "config", None)
+    text_config = getattr(config, "get_text_config", lambda: config)()  # a VLM's text settings
     for attribute in LOGIT_TRANSFORMS:
         value = getattr(config, attribute, None)
+        value = getattr(text_config, attribute, None) if value is None else value
         if value is not None:
             return (
                 f"{name} transforms its logits ({attribute}={value}), which the fused loss does not reproduce"

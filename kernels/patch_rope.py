@@ -1,12 +1,13 @@
 """Give attention modules our RoPE kernel where their family's rotary function is the one we compute.
 
-An attention module is a candidate when its forward calls its module's `apply_rotary_pos_emb`. The
-forward may be decorated (functools.wraps): the code read is the innermost function's, below every
-decorator. The module-level function that code really calls (plain, or turned into a callable module by
-the `kernels` hub decorator) is probed against the rotate_half formula; when it matches, the instance
-gets a copy of its class's forward, decorators included, whose globals see our function instead. Calls
-our kernel does not cover (extra arguments, partial rotary, other shapes) go to the family's own
-function at call time, so only the call that was proven equal ever runs our kernel.
+An attention module is a candidate when its forward calls its module's `apply_rotary_pos_emb`; one that
+calls another rotary function (a multimodal M-RoPE that splits the head into sections) is left alone,
+named in the report. The forward may be decorated (functools.wraps): the code read is the innermost
+function's, below every decorator. The module-level function that code really calls (plain, or turned
+into a callable module by the `kernels` hub decorator) is probed against the rotate_half formula; when
+it matches, the instance gets a copy of its class's forward, decorators included, whose globals see our
+function instead. Calls our kernel does not cover (extra arguments, partial rotary, other shapes) go to
+the family's own function at call time, so only the call that was proven equal ever runs our kernel.
 """
 
 from __future__ import annotations
@@ -113,13 +114,28 @@ def _forward_with_our_rope(forward):
     return copy
 
 
+def _other_rotary(function) -> str | None:
+    """The module-level rotary function a forward calls instead of apply_rotary_pos_emb (a multimodal
+    M-RoPE such as Qwen2-VL's `apply_multimodal_rotary_pos_emb`), or None: named in the report."""
+    for name in function.__code__.co_names:
+        lowered = name.lower()
+        if ("rotary" in lowered or "rope" in lowered) and callable(function.__globals__.get(name)):
+            return name
+    return None
+
+
 def patch_rope(module: nn.Module, cache: dict):
     """True (patched), a reason (its rotary function is another formula), or None (not a candidate)."""
     forward = type(module).forward
     innermost = _layers(forward)[-1]
     code = getattr(innermost, "__code__", None)
-    if code is None or "apply_rotary_pos_emb" not in code.co_names:
+    if code is None:
         return None
+    if "apply_rotary_pos_emb" not in code.co_names:
+        other = _other_rotary(innermost)
+        if other is None:
+            return None
+        return f"{type(module).__name__} calls {other}, which we do not compute: left as it is"
     family_rope = innermost.__globals__.get("apply_rotary_pos_emb")
     if family_rope is None or not _family_rope_matches(family_rope):
         family = sys.modules.get(type(module).__module__, None)

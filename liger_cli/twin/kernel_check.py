@@ -50,14 +50,24 @@ class KernelCheck:
 
     def lines(self) -> list[str]:
         if self.not_run:
-            return [f"kernel check: not run ({self.not_run})"]
+            off = f": {', '.join(self.switched_off)} off" if self.switched_off else ""
+            return [f"kernel check: not run ({self.not_run}){off}"]
         on = f" ({self.loss})" if self.loss else ""
         head = f"kernel check: one step on a tiny twin{on}, patched vs unpatched: "  # no timing: reproducible
         if not self.switched_off:
-            return [head + "loss, every gradient and greedy generation agree"]
-        return [head + "switched off " + ", ".join(self.switched_off)] + [
-            f"  {name} off: {why}" for name, why in self.switched_off.items()
-        ]
+            return [head + "loss, every gradient and greedy generation agree", *self._scope_lines()]
+        return (
+            [head + "switched off " + ", ".join(self.switched_off)]
+            + [f"  {name} off: {why}" for name, why in self.switched_off.items()]
+            + self._scope_lines()
+        )
+
+    def _scope_lines(self) -> list[str]:
+        """A VLM's patch scope and what its language model left alone (an M-RoPE), from the twin's report."""
+        if not any(line.startswith("scope:") for line in self.twin_report):
+            return []
+        said = [line for line in self.twin_report if line.startswith("scope:") or ": not patched: " in line]
+        return [f"  {line}" for line in said]
 
 
 @dataclass
@@ -179,8 +189,12 @@ def check_kernels(
 ) -> KernelCheck:
     """Build the twin of `config`, compare each requested kernel on it, and say which to switch off.
 
+    A vision-language twin's batch carries an image (`vision_batch`); where it cannot be built or fed
+    one, every requested kernel is off with the reason (patch_model's probes alone never decide a VLM).
+
     With a preference objective the step's loss is that objective's, on preference pairs: its fused
     per-sequence log-probabilities (and the reference pass) are what the kernels must not change."""
+    from liger_cli.model.vision import is_vision_language
     from liger_cli.twin.tiny import (
         TinyModelError,
         tiny_batch,
@@ -189,6 +203,7 @@ def check_kernels(
         twin_session,
         twin_vocab,
     )
+    from liger_cli.twin.vision_batch import ImageBatchError, tiny_image_batch
 
     start = time.perf_counter()
     if not any(requested.values()):
@@ -196,9 +211,10 @@ def check_kernels(
     # The router's auxiliary loss is part of what must not change.
     router = {"output_router_logits": True} if hasattr(config, "output_router_logits") else {}
     build = twin_builder(config, trust_remote_code, add_adapter, attn_implementation, **router)
+    vision = is_vision_language(config)
     try:
         with twin_session():
-            batch = tiny_batch(build())
+            batch = tiny_image_batch(build()) if vision else tiny_batch(build())
             loss_of = None
             if hasattr(objective, "twin_batch"):  # online RL: its loss on rollout rows
                 rollout = objective.twin_batch(*twin_vocab(build()))
@@ -208,7 +224,14 @@ def check_kernels(
                 loss_of = lambda model: objective.loss(model, pairs, objective.units(pairs))[0]  # noqa: E731
             wrong, crashed, report = compare_kernels(build, batch, requested, loss_of)
     except TinyModelError as err:
-        return KernelCheck(requested, not_run=f"no tiny twin: {err}", seconds=time.perf_counter() - start)
+        return _not_run(requested, f"no tiny twin: {err}", vision, start)
+    except ImageBatchError as err:
+        return _not_run(requested, f"no image batch: {err}", vision, start)
+    except (RuntimeError, ValueError, TypeError) as err:
+        if not vision:
+            raise
+        why = f"the twin does not train on its image batch: {type(err).__name__}: {_first(err)}"
+        return _not_run(requested, why, vision, start)
     return KernelCheck(
         requested,
         switched_off={**wrong, **crashed},
@@ -216,6 +239,18 @@ def check_kernels(
         seconds=time.perf_counter() - start,
         loss=_loss_name(objective) if loss_of is not None else "",
     )
+
+
+def _not_run(requested: dict[str, bool], why: str, vision: bool, start: float) -> KernelCheck:
+    """The check could not run: a causal LM keeps its kernels as requested (patch_model's probes still
+    decide each module); a VLM's language model is proven on nothing else, so its kernels stay off."""
+    off = {k: f"not proven ({why})" for k, on in requested.items() if on} if vision else {}
+    return KernelCheck(requested, off, not_run=why, seconds=time.perf_counter() - start)
+
+
+def _first(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0][:160] if text else ""
 
 
 def _loss_name(objective) -> str:

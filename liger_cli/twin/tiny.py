@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from liger_cli.twin.shrink import position_sizes, shrink_config, shrink_positions
+from liger_cli.twin.shrink_vision import shrink_vision
 
 PARAM_LIMIT = 5_000_000  # tiny_causal_lm refuses to allocate a twin larger than this
 
@@ -46,17 +47,25 @@ def _position_tables(model, config) -> bool:
     return bool(sizes) and any(dim >= min(sizes) for t in tensors for dim in t.shape)  # OPT adds 2 rows
 
 
-def _from_config(config, **kwargs):
-    from transformers import AutoModelForCausalLM
+def _from_config(config, image_text: bool = False, **kwargs):
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    auto = AutoModelForImageTextToText if image_text else AutoModelForCausalLM
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return AutoModelForCausalLM.from_config(config, **kwargs)
+        return auto.from_config(config, **kwargs)
 
 
 def _meta_twin(config, kwargs: dict):
     """(shrunk config, its model on the meta device); the first error if no shrink builds."""
     tiny = shrink_config(config)
+    smaller = copy.deepcopy(tiny)
+    if shrink_vision(smaller, config):  # a vision tower and its picture small too, when that builds
+        try:
+            with torch.device("meta"):
+                return smaller, _from_config(smaller, **kwargs)
+        except Exception:  # noqa: BLE001 - the settings shrink_config left build (or fail) below
+            pass
     try:
         with torch.device("meta"):
             return tiny, _from_config(tiny, **kwargs)
@@ -77,14 +86,20 @@ def tiny_causal_lm(
     attn_implementation: str | None = "eager",
     trust_remote_code: bool = False,
     max_params: int = PARAM_LIMIT,
+    image_text: bool | None = None,
 ):
-    """`AutoModelForCausalLM.from_config(shrink_config(config))`, seeded, on CPU, in train mode.
+    """`AutoModelForCausalLM.from_config(shrink_config(config))`, seeded, on CPU, in train mode; the class
+    the run builds, `AutoModelForImageTextToText`, for a vision-language config (`image_text` None: as
+    `liger_cli.model.vision.is_vision_language` says; the causal-LM sweep asks for its own class).
 
     The twin is first built on the meta device: if that fails, or it has more than `max_params`
     parameters, `TinyModelError` says why in one line and nothing is allocated. A learned position table
     of max_position_embeddings rows (GPT-2, OPT) shrinks to 256 rows.
     """
+    from liger_cli.model.vision import is_vision_language
+
     kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code}
+    kwargs["image_text"] = is_vision_language(config) if image_text is None else image_text
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     name = type(config).__name__
