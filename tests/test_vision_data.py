@@ -117,7 +117,8 @@ def test_ids_labels_and_pixels_are_the_processors(two_images, tokenizer, process
     batch = collate([train.dataset[k] for k in range(3)], tokenizer.pad_token_id)
     images = [(two_images.parent / "img" / f"{c}.png").read_bytes() for c in ("red", "blue")]
     expected = processor.image_processor([rendered_image(d) for d in images], return_tensors="pt")
-    assert set(batch) == {"input_ids", "labels", "position_ids", "attention_mask", "pixel_values"}
+    # no position_ids: the model places its own (M-RoPE models from the image grid)
+    assert set(batch) == {"input_ids", "labels", "attention_mask", "pixel_values"}
     assert batch["pixel_values"].shape == (2, 3, 32, 32)
     assert torch.equal(batch["pixel_values"], expected["pixel_values"])
 
@@ -180,7 +181,7 @@ def test_batch_images_joins_along_dim_0_as_the_processor_does():
     rows = [proc([image], return_tensors="np") for image in images]
     blobs = [save({k: np.ascontiguousarray(v) for k, v in row.items()}) for row in rows]
     together = proc(images, return_tensors="pt")
-    joined = batch_images([blobs[0], b"", blobs[1]])
+    joined = batch_images([blobs[0], b"", blobs[1]], [5, 5, 5], 5)
     assert joined["pixel_values"].shape[0] == int(together["image_grid_thw"].prod(-1).sum())
     assert torch.equal(joined["pixel_values"], together["pixel_values"])
     assert torch.equal(joined["image_grid_thw"], together["image_grid_thw"])
@@ -465,5 +466,12 @@ def test_an_expansion_that_adds_text_around_the_image(gemma_style, two_images):
     assert train.examples[0]["image_tokens"] == [4] and train.examples[0]["image_starts"] == [ids.index(soft)]
     learned = [t for t, label in zip(ids, labels, strict=True) if label != IGNORE_INDEX]
     assert tokenizer.decode(learned) == "red</s>\n"
-    batch = collate([train.dataset[0]], tokenizer.pad_token_id)
-    assert torch.equal(batch["pixel_values"], reference["pixel_values"])
+    batch = collate([train.dataset[0], train.dataset[1]], tokenizer.pad_token_id)
+    assert torch.equal(batch["pixel_values"][:1], reference["pixel_values"])
+    # Gemma 3's token_type_ids (which tokens are image tokens) come along, padded like input_ids: the
+    # processor's own for the image row, 0 for padding.
+    n = len(ids)
+    types = torch.as_tensor(reference["token_type_ids"][0])
+    assert batch["token_type_ids"].shape == batch["input_ids"].shape
+    assert torch.equal(batch["token_type_ids"][0, :n], types) and types.sum() == 4
+    assert not batch["token_type_ids"][0, n:].any() and "position_ids" not in batch

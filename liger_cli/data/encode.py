@@ -118,7 +118,7 @@ class Collator:
 
     def __call__(self, features: Sequence[dict]) -> dict[str, torch.Tensor]:
         """Rows with images (an IMAGES_COLUMN) add the processor's image tensors, joined along dim 0
-        (liger_cli.data.images.batch_images)."""
+        (liger_cli.data.images.batch_images), and carry no position_ids."""
         length = max(len(f["input_ids"]) for f in features)
         if self.pad_to_multiple_of:
             length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
@@ -142,7 +142,11 @@ class Collator:
 
         out = {k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}
         if any(f.get(IMAGES_COLUMN) for f in features):
-            out.update(batch_images([f.get(IMAGES_COLUMN) for f in features]))
+            # An image batch (never packed) lets the model place its own positions: M-RoPE models
+            # (Qwen-VL) derive them from the image grid, and text positions would silently replace them.
+            del out["position_ids"]
+            lengths = [len(f["input_ids"]) for f in features]
+            out.update(batch_images([f.get(IMAGES_COLUMN) for f in features], lengths, length))
         return out
 
 

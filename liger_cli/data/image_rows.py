@@ -32,6 +32,8 @@ from liger_cli.data.chat import conversation, render
 from liger_cli.data.chat_batch import encode_chats
 from liger_cli.data.encode import IGNORE_INDEX, Encoded
 from liger_cli.data.images import (
+    PER_TOKEN,
+    TOKEN_TYPE_KEYS,
     Picture,
     chat_template,
     image_parts,
@@ -41,7 +43,7 @@ from liger_cli.data.images import (
     read_picture,
 )
 
-TEXT_KEYS = {"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"}
+TEXT_KEYS = {"input_ids", "attention_mask"}  # rebuilt by the collate function from the aligned ids
 
 # tokenizer -> a copy of it under the processor's chat template (liger_cli.data.chat caches per tokenizer)
 _VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -153,7 +155,13 @@ def expand(row, enc: Encoded, pictures: list[Picture], view, processor, image_id
     ids = [int(t) for t in out["input_ids"][0]]
     labels, starts, counts, index = align(enc.input_ids, enc.labels, ids, image_id, len(pictures))
     turns = [(f, _mapped(index, first), _mapped(index, end - 1) + 1) for f, first, end in enc.turns]
-    tensors = {k: np.ascontiguousarray(v) for k, v in out.items() if k not in TEXT_KEYS}
+    tensors = {
+        (PER_TOKEN + k if k in TOKEN_TYPE_KEYS else k): np.ascontiguousarray(
+            v[0] if k in TOKEN_TYPE_KEYS else v
+        )
+        for k, v in out.items()
+        if k not in TEXT_KEYS
+    }
     return ImageEncoded(
         ids, labels, turns, enc.warnings, save(tensors), [p.file for p in pictures], starts, counts
     )

@@ -192,18 +192,38 @@ IMAGE_TOKENS = "image_tokens"  # how many tokens each image became
 IMAGE_COLUMNS = (IMAGES_COLUMN, IMAGE_FILES, IMAGE_STARTS, IMAGE_TOKENS)
 
 
-def batch_images(blobs) -> dict:
+# Per-token outputs of a processor (which tokens are image tokens: Gemma 3's token_type_ids for its
+# bidirectional image attention, Qwen-VL's mm_token_type_ids for M-RoPE positions), kept per row under
+# PER_TOKEN + name and padded by `batch_images` like input_ids.
+TOKEN_TYPE_KEYS = ("token_type_ids", "mm_token_type_ids")
+PER_TOKEN = "per_token."
+
+
+def batch_images(blobs, lengths: list[int], length: int) -> dict:
     """The rows' image tensors as the model's forward takes them: each key's tensors concatenated along
     dim 0 in row order (LLaVA's pixel_values [images, 3, H, W], Qwen2-VL's flattened patches and
     image_grid_thw [images, 3], image_sizes [images, 2]); rows without images add nothing. Every key
-    the processor returned besides the text's becomes a keyword of the model's forward."""
+    the processor returned besides the text's becomes a keyword of the model's forward. Per-token keys
+    (TOKEN_TYPE_KEYS) are cut to each row's `lengths` (truncation only cuts the end, never an image)
+    and padded with 0 to `length`; a row without images is all 0 (text)."""
     import torch
     from safetensors.numpy import load
 
     found: dict[str, list] = {}
-    for blob in blobs:
-        for name, value in (load(blob) if blob else {}).items():
-            found.setdefault(name, []).append(torch.from_numpy(value.copy()))
+    loaded = [load(blob) if blob else {} for blob in blobs]
+    per_token = {name for row in loaded for name in row if name.startswith(PER_TOKEN)}
+    for name in sorted(per_token):
+        rows = []
+        for row, n in zip(loaded, lengths, strict=True):
+            values = torch.zeros(length, dtype=torch.long)
+            if name in row:
+                values[:n] = torch.from_numpy(row[name][:n].astype("int64"))
+            rows.append(values)
+        found[name.removeprefix(PER_TOKEN)] = [torch.stack(rows)]
+    for row in loaded:
+        for name, value in row.items():
+            if not name.startswith(PER_TOKEN):
+                found.setdefault(name, []).append(torch.from_numpy(value.copy()))
     try:
         return {name: torch.cat(values) for name, values in found.items()}
     except RuntimeError as err:
