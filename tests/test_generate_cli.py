@@ -140,6 +140,13 @@ def test_eval_samples_are_written_at_each_evaluation(run: Path) -> None:
     assert [r["reference"] for r in rows[:3]] == [p["output"] for p in PROMPTS[:3]]
     assert rows[0]["prompt"].startswith("### Instruction:\n" + PROMPTS[0]["instruction"])
     assert rows[0]["prompt"].endswith("### Response:\n")
+    # eval_sample_match: the share of each evaluation's completions equal to their reference
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    matches = {m["step"]: m["eval_sample_match"] for m in logged if "eval_sample_match" in m}
+    assert matches == {
+        step: sum(r["completion"].strip() == r["reference"].strip() for r in rows if r["step"] == step) / 3
+        for step in (0, 2, 4)
+    }
 
 
 def test_user_mistakes_are_one_line_and_write_nothing(run: Path, prompts: Path, tmp_path: Path) -> None:

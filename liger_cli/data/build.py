@@ -37,7 +37,7 @@ from liger_cli.data.encode import (
     truncate,
 )
 from liger_cli.data.files import FORMAT_FIELDS, ROW_COLUMN, where
-from liger_cli.data.images import IMAGE_COLUMNS, IMAGE_FILES, IMAGES_COLUMN
+from liger_cli.data.images import IMAGE_COLUMNS, IMAGE_FILES, IMAGE_STARTS, IMAGES_COLUMN
 from liger_cli.data.mix import fraction_orders, mixture
 from liger_cli.data.preference import PAIR_COLUMNS
 from liger_cli.data.processes import encode_table, tokenizing_processes
@@ -245,7 +245,8 @@ def _part(entry, data_cfg: DataConfig, order: list[int] | None) -> Split:
 def _finish(split: Split, data_cfg: DataConfig) -> None:
     """The dataset training receives: the model's columns, packed when packing is on."""
     names = split.examples.column_names
-    kept = [c for c in ("input_ids", "labels", "position_ids", IMAGES_COLUMN) if c in names]
+    # (each image's first token goes along: eval samples cut prompts and keep the images they hold)
+    kept = [c for c in ("input_ids", "labels", "position_ids", IMAGES_COLUMN, IMAGE_STARTS) if c in names]
     if "prompt_ids" in names:  # prompts (online RL), with the file row for the sampling keys
         kept = ["prompt_ids", "prompt", "fields", "row"]
     split.dataset = split.examples.select_columns(kept or list(PAIR_COLUMNS))

@@ -199,13 +199,14 @@ TOKEN_TYPE_KEYS = ("token_type_ids", "mm_token_type_ids")
 PER_TOKEN = "per_token."
 
 
-def batch_images(blobs, lengths: list[int], length: int) -> dict:
+def batch_images(blobs, lengths: list[int], length: int, left: bool = False) -> dict:
     """The rows' image tensors as the model's forward takes them: each key's tensors concatenated along
     dim 0 in row order (LLaVA's pixel_values [images, 3, H, W], Qwen2-VL's flattened patches and
     image_grid_thw [images, 3], image_sizes [images, 2]); rows without images add nothing. Every key
     the processor returned besides the text's becomes a keyword of the model's forward. Per-token keys
     (TOKEN_TYPE_KEYS) are cut to each row's `lengths` (truncation only cuts the end, never an image)
-    and padded with 0 to `length`; a row without images is all 0 (text)."""
+    and padded with 0 to `length`, on the right as training pads, or on the `left` as prompts are
+    padded for generation; a row without images is all 0 (text)."""
     import torch
     from safetensors.numpy import load
 
@@ -217,7 +218,9 @@ def batch_images(blobs, lengths: list[int], length: int) -> dict:
         for row, n in zip(loaded, lengths, strict=True):
             values = torch.zeros(length, dtype=torch.long)
             if name in row:
-                values[:n] = torch.from_numpy(row[name][:n].astype("int64"))
+                values[length - n if left else 0 : length if left else n] = torch.from_numpy(
+                    row[name][:n].astype("int64")
+                )
             rows.append(values)
         found[name.removeprefix(PER_TOKEN)] = [torch.stack(rows)]
     for row in loaded:

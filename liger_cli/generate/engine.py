@@ -85,6 +85,7 @@ def generate(
     on_token: Callable[[int, int], None] | None = None,
     any_running: Callable[[bool], bool] | None = None,
     device: torch.device | None = None,
+    inputs: dict[str, torch.Tensor] | None = None,
 ) -> list[Completion]:
     """Complete every prompt (token ids) in one batch; one Completion per prompt, in order.
 
@@ -92,7 +93,9 @@ def generate(
     prompt (and return sequence) so that results do not depend on the batch. on_token(row, id) is
     called as each token is chosen (for streaming). any_running(local) says whether any process is
     still generating: with several processes every one keeps stepping until all are done, so a
-    forward that runs collectives never waits on a process that stopped.
+    forward that runs collectives never waits on a process that stopped. inputs: further keywords of
+    the prompts' forward only, e.g. a vision-language model's image tensors (joined along dim 0, per-token
+    ones padded on the left like the prompts); the generated tokens are text.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
@@ -107,7 +110,8 @@ def generate(
     was_training = model.training
     model.eval()
     try:
-        logits, cache = _forward(model, ids, mask, positions, None)
+        extra = {k: v.to(device) for k, v in (inputs or {}).items()}
+        logits, cache = _forward(model, ids, mask, positions, None, **extra)
         completions = [Completion() for _ in prompts]
         running = torch.ones(len(prompts), dtype=torch.bool, device=device)
         for _ in range(sampling.max_new_tokens):
@@ -189,13 +193,13 @@ def truncated(logprobs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return kept - torch.logsumexp(kept, dim=-1, keepdim=True)
 
 
-def _forward(model: nn.Module, ids, mask, positions, cache):
+def _forward(model: nn.Module, ids, mask, positions, cache, **inputs):
     """One forward with the KV cache on (the run keeps it off in its config), last position's logits only
     where the model can skip the others. Returns (logits of the last position, the cache)."""
     params = _forward_parameters(model)
     # transformers 5.24 renamed `past_key_values` to `cache` (the old name still works, with a warning).
     name = "cache" if "cache" in params else "past_key_values"
-    kwargs = {"attention_mask": mask, "position_ids": positions, "use_cache": True, name: cache}
+    kwargs = {"attention_mask": mask, "position_ids": positions, "use_cache": True, name: cache, **inputs}
     if "logits_to_keep" in params:
         kwargs["logits_to_keep"] = 1
     out = model(input_ids=ids, **kwargs)

@@ -170,7 +170,8 @@ class TrainingSection(_Section):
     eval_every: int | None = Field(None, ge=1)
     """Evaluate every N steps (and always at the end)."""
     eval_samples: int = Field(0, ge=0)
-    """At each evaluation, greedy completions of the first N eval prompts, written to samples.jsonl."""
+    """At each evaluation, greedy completions of the first N eval prompts, written to samples.jsonl;
+    the share equal to their reference answer is logged as eval_sample_match."""
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     """Mixed precision; auto: bf16/fp16 on a GPU, fp32 on a CPU."""
     objective: Literal["sft", "dpo", "simpo", "orpo", "grpo"] = "sft"

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from liger_cli.data.encode import IGNORE_INDEX
+from liger_cli.data.images import IMAGE_STARTS, IMAGES_COLUMN, batch_images
 from liger_cli.generate.engine import Sampling, generate
 from liger_cli.generate.load import run_format
 from liger_cli.generate.prompts import Renderer
@@ -33,6 +34,8 @@ class Samples:
     stop_ids: list[int]
     max_new_tokens: int
     out: Path
+    images: list[bytes]
+    """Each prompt's image tensors (b"" for none): a vision-language model sees the eval image."""
 
     @classmethod
     def of_run(cls, recipe: Recipe, eval_dataset, tokenizer, model) -> Samples | None:
@@ -42,24 +45,45 @@ class Samples:
         rows = [eval_dataset[i] for i in range(n)]
         prefix = "chosen_" if "chosen_input_ids" in rows[0] else ""
         split = [prompt_and_answer(r[f"{prefix}input_ids"], r[f"{prefix}labels"]) for r in rows]
+        # a row whose images all sit in its prompt (a later turn's image would not match the cut prompt)
+        images = [r.get(IMAGES_COLUMN) or b"" for r in rows]
+        keep = [i for i, r in enumerate(rows) if not images[i] or max(r[IMAGE_STARTS]) < len(split[i][0])]
+        if not keep:
+            return None
+        split, images = [split[i] for i in keep], [images[i] for i in keep]
         prompts, references = [p for p, _ in split], [a for _, a in split]
         stops = Renderer(tokenizer, run_format(recipe)).stop_ids(getattr(model, "generation_config", None))
         room = recipe.data.max_seq_len - max(len(p) for p in prompts)
         return cls(
-            prompts, references, tokenizer, stops, max(1, min(MAX_NEW_TOKENS, room)), recipe.output.dir
+            prompts,
+            references,
+            tokenizer,
+            stops,
+            max(1, min(MAX_NEW_TOKENS, room)),
+            recipe.output.dir,
+            images,
         )
 
-    def write(self, backend, model, step: int, say) -> None:
-        """Every rank calls this; the main process appends the rows and prints the first."""
+    def write(self, backend, model, step: int, say) -> dict[str, float]:
+        """Every rank calls this; the main process appends the rows and prints the first. Returns
+        `eval_sample_match` (every rank): the share of completions equal to their reference answer
+        (greedy; whitespace at the ends ignored)."""
         accelerator = backend.accelerator
         world, rank = accelerator.num_processes, accelerator.process_index
         share = -(-len(self.prompts) // world)
         mine = [i % len(self.prompts) for i in range(rank * share, (rank + 1) * share)]  # padded by repeats
+        prompts = [self.prompts[i] for i in mine]
+        blobs = [self.images[i] for i in mine]
+        inputs = (
+            batch_images(blobs, [len(p) for p in prompts], max(len(p) for p in prompts), left=True)
+            if any(blobs)
+            else None
+        )
         with backend.generation(model) as (module, any_running):
             found = generate(
-                module, [self.prompts[i] for i in mine], Sampling(self.max_new_tokens, temperature=0),
+                module, prompts, Sampling(self.max_new_tokens, temperature=0),
                 stop_ids=self.stop_ids, pad_id=self.tokenizer.pad_token_id, keys=mine,
-                any_running=any_running, device=accelerator.device,
+                any_running=any_running, device=accelerator.device, inputs=inputs,
             )  # fmt: skip
         done = dict(zip(mine, found, strict=True))
         if world > 1:
@@ -68,19 +92,21 @@ class Samples:
             parts: list = [None] * world
             dist.all_gather_object(parts, done)
             done = {i: c for part in parts for i, c in part.items()}
-        if not accelerator.is_main_process:
-            return
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
         rows = []
         for i, prompt in enumerate(self.prompts):
             ids = [t for t in done[i].ids if t not in self.stop_ids]
             rows.append({"step": step, "prompt": decode(prompt), "completion": decode(ids),
                          "reference": decode(self.references[i]), "finish_reason": done[i].finish_reason})  # fmt: skip
+        match = sum(r["completion"].strip() == r["reference"].strip() for r in rows) / len(rows)
+        if not accelerator.is_main_process:
+            return {"eval_sample_match": match}
         with open(self.out / SAMPLES_FILE, "a", encoding="utf-8") as f:
             f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
         first = rows[0]
         say(f"sample at step {step}: {first['prompt'][-60:]!r} -> {first['completion']!r} "
-            f"(reference {first['reference']!r}; all {len(rows)} in {SAMPLES_FILE})")  # fmt: skip
+            f"(reference {first['reference']!r}; all {len(rows)} in {SAMPLES_FILE}, {match:.0%} match)")  # fmt: skip
+        return {"eval_sample_match": match}
 
 
 def prompt_and_answer(input_ids, labels) -> tuple[list[int], list[int]]:

@@ -257,10 +257,10 @@ def fit(trainer: Trainer) -> dict[str, float]:
             found = evaluate_rewards(objective, sampler, data.eval)
         else:
             found = evaluate(model, data.eval, accelerator, objective, t.micro_batch_size, pad_id)
+        if samples is not None:
+            found |= samples.write(backend, model, at, echo)
         last.update(found)
         metrics_log.write(at, found, echo)
-        if samples is not None:
-            samples.write(backend, model, at, echo)
 
     if data.eval is not None and step == 0:  # the baseline that later eval losses are compared with
         run_eval(0, say)
