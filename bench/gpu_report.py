@@ -20,7 +20,14 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-GPU_TESTS = ["tests/test_kernels_triton.py", "tests/test_flce_numerics.py", "tests/test_kernels_torch.py"]
+# The kernels compiled for the GPU, and whole training runs on it (test_train.py: on a CUDA machine
+# its runs train on the GPU, final check included, which no CPU test can cover).
+GPU_TESTS = [
+    "tests/test_kernels_triton.py",
+    "tests/test_flce_numerics.py",
+    "tests/test_kernels_torch.py",
+    "tests/test_train.py",
+]
 AB_RECIPE = "recipes/bench-gpu.yaml"
 # Peak HBM bandwidth (GB/s) by name, for when torch does not report the memory clock and bus width.
 HBM_GB_S = {"H200": 4800, "H100 SXM": 3350, "H100 PCIe": 2000, "H100": 3350, "A100-SXM4-80GB": 2039,
@@ -114,7 +121,13 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--ab-steps", type=int, default=10)
+    parser.add_argument("--sweep-variants", help="bench/kernels.py --variants (default: all of them)")
+    parser.add_argument("--test-workers", type=int, default=0, help="pytest-xdist workers for the tests")
+    parser.add_argument(
+        "--timeouts", default="3600,5400,3600", help="seconds for the tests, the sweep and the A/B"
+    )
     args = parser.parse_args()
+    test_s, sweep_s, ab_s = (int(t) for t in args.timeouts.split(","))
 
     import torch
 
@@ -132,10 +145,17 @@ def main() -> int:
         "",
     ]
     failed = []
+    path = args.out / "gpu-report.md"
+
+    def write(final: bool = False) -> None:
+        """Written after every step, so a machine taken back mid-way still leaves the finished steps."""
+        tail = ["## Result", "", "all steps succeeded" if not failed else "FAILED: " + ", ".join(failed)]
+        path.write_text("\n".join(report + (tail if final else ["(still running)"]) + [""]))
 
     print("gpu_report: GPU tests", flush=True)
+    workers = ["-n", str(args.test_workers)] if args.test_workers else []
     code, out, secs = run(
-        [sys.executable, "-m", "pytest", "-q", "-rs", *GPU_TESTS], 3600, {"TRITON_INTERPRET": "0"}
+        [sys.executable, "-m", "pytest", "-q", "-rs", *workers, *GPU_TESTS], test_s, {"TRITON_INTERPRET": "0"}
     )
     summary = [
         line for line in out.splitlines() if " passed" in line or " failed" in line or "SKIPPED" in line
@@ -151,11 +171,14 @@ def main() -> int:
     if code != 0:
         failed.append("GPU tests")
         report += ["```", *out.splitlines()[-60:], "```", ""]
+    write()
 
     print("gpu_report: kernel sweep", flush=True)
     sweep_dir = args.out / "gpu-sweep"
+    variants = ["--variants", args.sweep_variants] if args.sweep_variants else []
     code, out, secs = run(
-        [sys.executable, "bench/kernels.py", "--dtype", args.dtype, "--out", str(sweep_dir)], 5400
+        [sys.executable, "bench/kernels.py", "--dtype", args.dtype, *variants, "--out", str(sweep_dir)],
+        sweep_s,
     )
     csv_path = sweep_dir / f"kernels-cuda-{args.dtype}.csv"
     report += ["## Kernel sweep", "", f"`python bench/kernels.py --dtype {args.dtype}` ({secs:.0f} s, exit {code}); "
@@ -167,6 +190,7 @@ def main() -> int:
     else:
         failed.append("kernel sweep")
         report += ["```", *out.splitlines()[-40:], "```", ""]
+    write()
 
     print("gpu_report: training step A/B", flush=True)
     ab_dir = args.out / "gpu-ab"
@@ -181,15 +205,13 @@ def main() -> int:
         "--warmup",
         "3",
     ]
-    code, out, secs = run([*argv, "--out", str(ab_dir)], 3600)
+    code, out, secs = run([*argv, "--out", str(ab_dir)], ab_s)
     report += ["## Training step, kernels on vs off", "", f"`liger bench {AB_RECIPE} --steps {args.ab_steps} "
                f"--warmup 3` ({secs:.0f} s, exit {code}):", "", "```", *out.strip().splitlines()[-25:], "```", ""]  # fmt: skip
     if code != 0:
         failed.append("training A/B")
 
-    report += ["## Result", "", "all steps succeeded" if not failed else "FAILED: " + ", ".join(failed), ""]
-    path = args.out / "gpu-report.md"
-    path.write_text("\n".join(report))
+    write(final=True)
     print(f"gpu_report: wrote {path}" + (f" (failed: {', '.join(failed)})" if failed else ""))
     return 1 if failed else 0
 

@@ -98,7 +98,7 @@ def differing_tensors(trained: dict[str, torch.Tensor], loaded: dict[str, torch.
         if (
             found is None
             or found.shape != tensor.shape
-            or not quantize.same_bits(tensor.to(found.dtype), found)
+            or not quantize.same_bits(tensor.to(device=found.device, dtype=found.dtype), found)
         ):
             differ.append(name if found is not None else f"{name} (missing)")
     return differ
