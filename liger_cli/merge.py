@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from liger_cli import process_state
 from liger_cli.errors import UserError
 from liger_cli.run import verify
 
@@ -68,6 +69,7 @@ def merge_adapter(run_dir: Path, out_dir: Path, overwrite: bool = False) -> Merg
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     adapter_dir, base = check_merge(run_dir, out_dir, overwrite)
     quantized = quantization_of(run_dir)
+    process_state.hide_bitsandbytes_unless_quantized(quantized or "none", Path(base))
     from peft import PeftModel
     from transformers import AutoTokenizer
 

@@ -12,8 +12,11 @@ outside this module touches them.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import sys
 from collections.abc import Iterable, MutableMapping
+from pathlib import Path
 
 BACKEND_ENV = ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED")
 WRAP_ENV = "FSDP_TRANSFORMER_CLS_TO_WRAP"
@@ -167,6 +170,25 @@ _BNB_CPU_LOGGER = "bitsandbytes.backends.cpu.ops"
 
 def _not_hub_kernel_notice(record) -> bool:
     return not str(record.msg).startswith(HUB_KERNEL_NOTICE)
+
+
+def hide_bitsandbytes_unless_quantized(quantize: str, model_path: Path | None) -> None:
+    """peft imports bitsandbytes whenever it is installed, and bitsandbytes imports torch's compiler:
+    about 3 s of CPU in every process that trains or serves, quantized or not. A process whose model
+    is not quantized (the recipe's `model.quantize` is none and its local config names no
+    quantization_config; `model_path` is the model's folder or its config file) hides it from every library, as if it were not installed. Decided once,
+    before anything imports peft or bitsandbytes: peft and transformers cache what they find."""
+    if quantize != "none" or {"peft", "bitsandbytes"} & sys.modules.keys():
+        return
+    config = model_path / "config.json" if model_path is not None and model_path.is_dir() else model_path
+    if config is None or not config.is_file():
+        return  # a hub name or a config we cannot read cheaply: leave bitsandbytes as it is
+    try:
+        if "quantization_config" in json.loads(config.read_text()):
+            return
+    except (OSError, ValueError):
+        return
+    sys.modules["bitsandbytes"] = None  # importlib's find_spec then says "not installed"
 
 
 def silence_hub_kernel_notice() -> None:

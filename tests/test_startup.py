@@ -66,7 +66,7 @@ from liger_cli.cli import app
 
 def data_ready(*args, **kwargs):
     train_load_data(*args, **kwargs)
-    print(" ".join(sorted(sys.modules)))
+    print(" ".join(sorted(name for name, module in sys.modules.items() if module is not None)))
     os._exit(0)
 
 train_load_data, train.load_data = train.load_data, data_ready
@@ -78,7 +78,8 @@ app()
 def test_train_imports_no_stage_it_does_not_use_before_the_data_is_ready(tmp_path) -> None:
     """Before its data is ready an SFT run has built its Plan (the twin's proofs: torch, transformers,
     peft, the kernels, the generation engine for the greedy check) and its accelerator, and imported
-    nothing of serving, merging, benchmarks, DeepSpeed or TRL, nor the run's sampler and samples."""
+    nothing of serving, merging, benchmarks, DeepSpeed, TRL or bitsandbytes (the run quantizes
+    nothing), nor the run's sampler and samples."""
     recipe = REPO / "recipes" / "quickstart.yaml"
     sets = ["--set", f"output.dir={tmp_path / 'out'}", "--set", f"data.cache_dir={tmp_path / 'cache'}"]
     proc = subprocess.run([sys.executable, "-c", STOP_AT_DATA, str(recipe), *sets],
@@ -86,8 +87,8 @@ def test_train_imports_no_stage_it_does_not_use_before_the_data_is_ready(tmp_pat
     assert proc.returncode == 0, proc.stderr[-3000:]
     modules = set(proc.stdout.split())
     assert {"liger_cli.run.train", "liger_cli.data", "peft", "accelerate"} <= modules
-    # (bitsandbytes, where installed, comes with `import peft` itself)
-    unused = ("liger_cli.serve", "liger_cli.merge", "liger_cli.bench", "deepspeed", "trl")
+    # bitsandbytes, installed here, would come with `import peft` itself: an unquantized run hides it
+    unused = ("liger_cli.serve", "liger_cli.merge", "liger_cli.bench", "deepspeed", "trl", "bitsandbytes")
     assert not {"liger_cli.run.online", "liger_cli.run.samples"} & modules
     assert not {m for m in modules if m.startswith(unused)}, sorted(
         m for m in modules if m.startswith(unused)

@@ -32,6 +32,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from liger_cli import process_state
 from liger_cli.bench.report import VARIANTS, RunResult, compare, render_table, summarize, write_chart
 from liger_cli.errors import UserError
 from liger_cli.recipe import KernelsSection, Recipe, load_recipe
@@ -244,6 +245,10 @@ def _rss_mb() -> float:
 
 def worker(recipe_path: Path, overrides: list[str], result_path: Path) -> int:
     """Import what training imports, record the RSS baseline, then train exactly as `liger train`."""
+    recipe = load_recipe(recipe_path, overrides)
+    process_state.hide_bitsandbytes_unless_quantized(
+        recipe.model.quantize, recipe.model.path or recipe.model.config
+    )
     import liger_kernels  # noqa: F401
     import peft  # noqa: F401  (imported before the baseline, as training would import them)
     import torch  # noqa: F401
@@ -252,7 +257,6 @@ def worker(recipe_path: Path, overrides: list[str], result_path: Path) -> int:
     from liger_cli.launch import launch
     from liger_cli.run.train import run
 
-    recipe = load_recipe(recipe_path, overrides)
     baseline = _rss_mb()
     code = launch(recipe, recipe_path=recipe_path, overrides=overrides, train=run)
     result_path.write_text(json.dumps({"baseline_mb": baseline, "train_exit_code": code}))

@@ -117,6 +117,12 @@ def load_model(target: Target, device: torch.device | None = None):
     process_state.quiet_libraries()
     recipe = target.recipe
     if recipe is not None:
+        process_state.hide_bitsandbytes_unless_quantized(
+            recipe.model.quantize, recipe.model.path or recipe.model.config
+        )
+    else:  # a model folder, or an adapter on one (a pre-quantized base names its quantization_config)
+        process_state.hide_bitsandbytes_unless_quantized("none", target.base or target.weights)
+    if recipe is not None:
         model = _load_run_model(target, _one_process(recipe))
     else:
         model = _load_plain(target)
