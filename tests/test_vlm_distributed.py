@@ -137,7 +137,7 @@ def test_two_processes_train_the_one_process_vlm(name: str, runs) -> None:
     out, ref = runs[name], runs["ref-lora" if adapter == "lora" else "ref-full"]
     if backend != "deepspeed":
         assert_same_run(out, ref)  # per-step losses within 1e-5, the same saved weights
-    else:  # ZeRO-3 writes transformers' older key names (language_model.model.model.*), mapped on load
+    else:  # ZeRO-3's file names the weights otherwise (language_model.model.model.*); transformers loads both
         from transformers import AutoModelForImageTextToText
 
         assert losses(out) == pytest.approx(losses(ref), abs=1e-5, rel=0)
