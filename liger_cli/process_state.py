@@ -215,10 +215,15 @@ def register_fsdp2_classes(model) -> None:
     """transformers looks up what a model's forward records (`output_hidden_states`) by the model's class
     (`_CAN_RECORD_REGISTRY`); FSDP-2 swaps each unit's class for a subclass (`FSDPCLIPVisionModel`) that
     it does not know, so a vision tower that is a unit returns no hidden states and LLaVA's forward fails
-    on `None`. Register each swapped model under its new class, as transformers does at init."""
+    on `None`. Register each swapped model under its new class, as transformers does at init (a
+    transformers without this registry has nothing to register: a failure there stays loud)."""
     from torch.distributed.fsdp import FSDPModule
     from transformers import PreTrainedModel
-    from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+    except ImportError:
+        return
 
     for module in model.modules():
         if isinstance(module, PreTrainedModel) and isinstance(module, FSDPModule):
