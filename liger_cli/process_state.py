@@ -233,6 +233,25 @@ def restore_fsdp2_reshard_after_forward(unit, saved: tuple) -> None:
         group.post_forward_mesh_info = info
 
 
+def register_fsdp2_classes(model) -> None:
+    """transformers looks up what a model's forward records (`output_hidden_states`) by the model's class
+    (`_CAN_RECORD_REGISTRY`); FSDP-2 swaps each unit's class for a subclass (`FSDPCLIPVisionModel`) that
+    it does not know, so a vision tower that is a unit returns no hidden states and LLaVA's forward fails
+    on `None`. Register each swapped model under its new class, as transformers does at init (a
+    transformers without this registry has nothing to register: a failure there stays loud)."""
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import PreTrainedModel
+
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+    except ImportError:
+        return
+
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel) and isinstance(module, FSDPModule):
+            _CAN_RECORD_REGISTRY[module] = module._can_record_outputs
+
+
 @contextlib.contextmanager
 def zero3_hooks_lifted(engine):
     """A ZeRO-3 engine's per-module forward/backward hooks removed (they would release gathered

@@ -156,10 +156,12 @@ def assert_same_run(out: Path, ref: Path) -> None:
     assert got == pytest.approx(want, abs=1e-5, rel=0), (got, want)
     if (ref / "final" / "adapter_model.safetensors").is_file():
         from peft import PeftModel
-        from transformers import AutoModelForCausalLM
+
+        from liger_cli.model import model_class, read_config
 
         config = json.loads((out / "final" / "adapter_config.json").read_text())
-        base = AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"])
+        source = config["base_model_name_or_path"]
+        base = model_class(read_config(source)).from_pretrained(source)  # a causal LM, or a VLM
         loaded = PeftModel.from_pretrained(base, out / "final")  # the saved adapter loads in peft
         assert any("lora_A" in name for name, _ in loaded.named_parameters())
         got_w, want_w = (load_file(p / "final" / "adapter_model.safetensors") for p in (out, ref))

@@ -55,3 +55,29 @@ def even_shares(size: int, micro_batch_size: int, world: int, rank: int) -> list
         start = starts[j] if j < len(starts) else 0
         shares.append((range(start, min(start + micro_batch_size, size)), j < len(starts)))
     return shares
+
+
+def image_filler(dataset) -> dict | None:
+    """The first image row of `dataset` with every label ignored (None when it has none), for `with_filler`."""
+    from liger_cli.data.encode import IGNORE_INDEX
+    from liger_cli.data.images import IMAGE_STARTS
+
+    if dataset is None or IMAGE_STARTS not in dataset.column_names:
+        return None
+    found = next((i for i, starts in enumerate(dataset[IMAGE_STARTS]) if starts), None)
+    if found is None:
+        return None
+    row = dict(dataset[found])
+    return row | {"labels": [IGNORE_INDEX] * len(row["labels"])}
+
+
+def with_filler(examples: list[dict], filler: dict | None) -> list[dict]:
+    """A micro-batch of text rows in a multi-process run of image data gets `filler`, an image row with
+    nothing to learn, so that every rank runs the vision tower in every forward: a sharded tower's
+    gathers (FSDP, ZeRO-3) must run on all ranks or none, and DDP waits for a trainable projector's
+    gradient from each rank. It adds no label token, so the loss and gradients are unchanged."""
+    from liger_cli.data.images import IMAGES_COLUMN
+
+    if filler is None or any(ex.get(IMAGES_COLUMN) for ex in examples):
+        return examples
+    return [*examples, filler]

@@ -4,21 +4,23 @@ from __future__ import annotations
 
 import torch
 
-from liger_cli.data.batches import even_shares
+from liger_cli.data.batches import even_shares, with_filler
 from liger_cli.model.objectives import Objective
 
 
 @torch.no_grad()
-def evaluate(model, dataset, accelerator, objective: Objective, micro_batch_size: int, pad_id: int) -> dict:
+def evaluate(
+    model, dataset, accelerator, objective: Objective, micro_batch_size: int, pad_id: int, filler=None
+) -> dict:
     """`eval_loss` and `eval_<metric>`: sums over the whole eval set divided by its units (each rank
-    takes every world-th batch)."""
+    takes every world-th batch). `filler`: the run's image row for text-only batches (`Data.filler`)."""
     model.eval()
     device = accelerator.device
     names: list[str] = []
     sums: torch.Tensor | None = None  # loss, then each metric, then the unit count (float64)
     shares = even_shares(len(dataset), micro_batch_size, accelerator.num_processes, accelerator.process_index)
     for rows, real in shares:  # every rank runs the same number of forwards (FSDP needs that)
-        examples = [dataset[k] for k in rows]
+        examples = with_filler([dataset[k] for k in rows], filler)
         batch = {k: v.to(device) for k, v in objective.collate(examples, pad_id).items()}
         loss, stats = objective.loss(model, batch, torch.ones((), device=device))  # sums over its units
         names = list(stats)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from liger_cli.data import build_datasets
-from liger_cli.data.batches import StepBatches, total_steps
+from liger_cli.data.batches import StepBatches, image_filler, total_steps, with_filler
 from liger_cli.data.build import build_eval_dataset
 from liger_cli.data.stream import StreamBatches, encoded_stream
 from liger_cli.data.tokenizer import load_tokenizer
@@ -25,12 +25,15 @@ class Data:
     eval: object | None
     batches: StepBatches | StreamBatches
     total_steps: int
+    filler: dict | None = None
+    """An image row with nothing to learn, added to a text-only micro-batch of a multi-process run on
+    image data (`batches.with_filler`); None otherwise."""
 
     def examples(self, g: int) -> list[dict]:
         """This rank's examples of the run's micro-batch g."""
         if isinstance(self.batches, StreamBatches):
             return self.batches.examples(g)
-        return [self.train[i] for i in self.batches.indices(g)]
+        return with_filler([self.train[i] for i in self.batches.indices(g)], self.filler)
 
     def position(self) -> dict:
         """What a checkpoint records of where the data is besides the step number (the stream's place)."""
@@ -56,7 +59,8 @@ def load_data(recipe: Recipe, accelerator) -> Data:
     steps = total_steps(t, batches)
     if recipe.rl is not None and not t.max_steps:  # epochs of prompts: each batch serves num_iterations steps
         steps *= recipe.rl.num_iterations
-    return Data(tokenizer, train_ds, eval_ds, batches, steps)
+    filler = (image_filler(train_ds) or image_filler(eval_ds)) if world > 1 else None
+    return Data(tokenizer, train_ds, eval_ds, batches, steps, filler)
 
 
 def load_stream(recipe: Recipe, accelerator, tokenizer) -> Data:

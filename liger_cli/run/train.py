@@ -256,7 +256,9 @@ def fit(trainer: Trainer) -> dict[str, float]:
         if online:
             found = evaluate_rewards(objective, sampler, data.eval)
         else:
-            found = evaluate(model, data.eval, accelerator, objective, t.micro_batch_size, pad_id)
+            found = evaluate(
+                model, data.eval, accelerator, objective, t.micro_batch_size, pad_id, data.filler
+            )
         if samples is not None:
             found |= samples.write(backend, model, at, echo)
         last.update(found)

@@ -77,7 +77,7 @@ class _Fsdp(Backend):
         four_bit = self.check_four_bit(model, shards)  # first: it names the 4-bit downgrade exactly
         name, unit = self._unit(model)
         local, full = self.shard_sizes(model, name, unit)
-        if not (local <= -(-full // shards) + shards and (shards == 1 or local < full)):
+        if not (local <= self.most_held(unit, full, shards) and (shards == 1 or local < full)):
             raise DowngradeError(
                 f"{name} holds {local} of its {full} parameters on this rank, not 1/{shards}: "
                 f"the model is not sharded as the recipe asks ({self.name})"
@@ -86,6 +86,10 @@ class _Fsdp(Backend):
 
     def shard_sizes(self, model: nn.Module, name: str, unit: nn.Module) -> tuple[int, int]:
         raise NotImplementedError
+
+    def most_held(self, unit: nn.Module, full: int, shards: int) -> int:
+        """The most parameters one rank of a sharded unit holds: 1/shards of its flat parameter, padded."""
+        return -(-full // shards) + shards
 
     def _unit(self, model: nn.Module) -> tuple[str, nn.Module]:
         classes = set(self.plan.wrap_classes)
@@ -174,6 +178,11 @@ class Fsdp2(_Fsdp):
             )
         return {"reshard_after_forward": sharding != "shard_grad_op"}
 
+    def prepare(self, model: nn.Module, optimizer):
+        model, optimizer = super().prepare(model, optimizer)
+        process_state.register_fsdp2_classes(model)  # a vision tower unit still returns its hidden states
+        return model, optimizer
+
     def shard_sizes(self, model: nn.Module, name: str, unit: nn.Module) -> tuple[int, int]:
         from torch.distributed.fsdp import FSDPModule
         from torch.distributed.tensor import DTensor
@@ -184,6 +193,14 @@ class Fsdp2(_Fsdp):
                 f"the recipe asks for FSDP-2 but {name} is not a fully_shard unit of DTensors"
             )
         return sum(p.to_local().numel() for p in params), sum(p.numel() for p in params)
+
+    def most_held(self, unit: nn.Module, full: int, shards: int) -> int:
+        """FSDP-2 cuts each parameter along dim 0, a rank holding up to ceil(rows / shards) rows of each
+        (a vision tower's 17 position embeddings: 9 rows on rank 0)."""
+        return sum(
+            -(-p.shape[0] // shards) * (p.numel() // p.shape[0]) if p.dim() and p.shape[0] else p.numel()
+            for p in unit.parameters()
+        )
 
     @contextlib.contextmanager
     def generation(self, model: nn.Module):
