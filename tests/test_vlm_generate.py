@@ -19,8 +19,10 @@ import pytest
 import torch
 from test_distributed import child_env, free_port
 from test_generate_cli import Terminal, generated, reply
-from test_output_safety import one_line_error
 from test_train import liger
+from typer.testing import CliRunner
+
+from liger_cli import cli
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "recipes" / "vision" / "model"
@@ -40,6 +42,21 @@ def run(tmp_path_factory) -> Path:
     proc = liger("train", str(REPO / "recipes" / "vision.yaml"), *(a for s in sets for a in ("--set", s)))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return out
+
+
+def invoke(*args: str) -> tuple[int, str]:
+    """A liger command in this process (the model loads once per call, no interpreter start): its exit
+    code and output."""
+    result = CliRunner().invoke(cli.app, list(args))
+    assert "Traceback" not in result.output, result.output[-2000:]
+    return result.exit_code, result.output
+
+
+def one_line_error(*args: str) -> str:
+    code, output = invoke(*args)
+    lines = [line for line in output.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(lines) == 1, output[-2000:]
+    return lines[0]
 
 
 def user_turn(image: dict | None, question: str) -> dict:
@@ -113,9 +130,8 @@ def test_image_prompts_complete_as_transformers_generate_does(
     lost its image would change); 2 processes write the same file."""
     one = tmp_path / "one.jsonl"
     options = ["--prompts", str(prompts), "--max-new-tokens", NEW_TOKENS, "--batch-size", "3", "--logprobs"]
-    proc = liger("generate", str(run), *options, "--out", str(one))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "wrote 4 completions" in proc.stdout and "format chat" in proc.stdout
+    code, output = invoke("generate", str(run), *options, "--out", str(one))
+    assert code == 0 and "wrote 4 completions" in output and "format chat" in output, output[-3000:]
     rows = generated(one)
     inputs = [json.loads(line) for line in prompts.read_text().splitlines()]
     assert [{k: r[k] for k in row} for r, row in zip(rows, inputs, strict=True)] == inputs
@@ -162,10 +178,10 @@ def test_chat_with_an_image_replies_what_generate_gives(run: Path, prompts: Path
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps({"messages": history[:1]}) + "\n" + json.dumps({"messages": history}) + "\n")
     out = tmp_path / "out.jsonl"
-    proc = liger(
+    code, output = invoke(
         "generate", str(run), "--prompts", str(rows), "--out", str(out), "--max-new-tokens", NEW_TOKENS
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert code == 0, output[-3000:]
     assert [first, second] == [r["completion"] for r in generated(out)]
 
 
@@ -188,7 +204,7 @@ def test_image_prompt_mistakes_are_one_line_and_write_nothing(run: Path, tmp_pat
         rows = tmp_path / f"{name}.jsonl"
         bad = {"messages": [user_turn({"type": "image", "path": path}, "What shape is this?")]}
         rows.write_text(json.dumps(text_row) + "\n" + json.dumps(bad) + "\n")
-        line = one_line_error(liger("generate", str(run), "--prompts", str(rows), "--out", str(out)))
+        line = one_line_error("generate", str(run), "--prompts", str(rows), "--out", str(out))
         assert expected in line and f"{name}.jsonl" in line, line
         assert not out.exists()
     rows = tmp_path / "text-model.jsonl"
@@ -199,35 +215,32 @@ def test_image_prompt_mistakes_are_one_line_and_write_nothing(run: Path, tmp_pat
         + "\n"
     )
     line = one_line_error(
-        liger("generate", str(QUICKSTART), "--format", "chat", "--prompts", str(rows), "--out", str(out))
+        "generate", str(QUICKSTART), "--format", "chat", "--prompts", str(rows), "--out", str(out)
     )
     assert "text-model.jsonl row 2: an image prompt, but model" in line and "is a text-only model" in line, (
         line
     )
     assert not out.exists()
-    line = one_line_error(
-        liger("chat", str(QUICKSTART), "--format", "chat", "--image", str(tmp_path / "ok.png"))
-    )
+    line = one_line_error("chat", str(QUICKSTART), "--format", "chat", "--image", str(tmp_path / "ok.png"))
     assert "takes no images (a text-only model)" in line, line
-    line = one_line_error(liger("chat", str(run), "--image", str(tmp_path / "notes.png")))
+    line = one_line_error("chat", str(run), "--image", str(tmp_path / "notes.png"))
     assert "notes.png is not an image PIL can read" in line, line
 
 
 def test_merge_of_a_vlm_run_checks_image_logits(run: Path, tmp_path: Path, monkeypatch) -> None:
     """The merge passes its check on token ids and on an image batch; a projector weight changed in the
     merged model passes the token probe (no image reaches the projector) and fails the image probe."""
-    from peft import PeftModel
+    from peft.tuners.lora import LoraModel
 
     from liger_cli.merge import merge_adapter
     from liger_cli.run.verify import NotVerified
 
     merged = tmp_path / "merged"
-    proc = liger("merge", str(run), str(merged))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "on probe batches of token ids and of images" in proc.stdout
+    code, output = invoke("merge", str(run), str(merged))
+    assert code == 0 and "on probe batches of token ids and of images" in output, output[-3000:]
     assert (merged / "processor_config.json").is_file()
 
-    real_merge = PeftModel.merge_and_unload
+    real_merge = LoraModel.merge_and_unload
 
     def tampered(self, *args, **kwargs):
         model = real_merge(self, *args, **kwargs)
@@ -235,7 +248,7 @@ def test_merge_of_a_vlm_run_checks_image_logits(run: Path, tmp_path: Path, monke
             model.model.multi_modal_projector.linear_1.weight.mul_(1.5)
         return model
 
-    monkeypatch.setattr(PeftModel, "merge_and_unload", tampered)
+    monkeypatch.setattr(LoraModel, "merge_and_unload", tampered)
     with pytest.raises(NotVerified, match="on the image probe: largest logit difference"):
         merge_adapter(run, tmp_path / "bad")
     assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".bad*"))
