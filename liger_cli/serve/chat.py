@@ -37,10 +37,10 @@ def chat_command(
     pending = None  # the image part the next user message starts with
     if image is not None:
         if not images:
+            why = "a text-only model" if keeps_history else f"format {renderer.format}, not chat"
             raise UserError(
-                f"--image {image}: {target.describe} takes no images ("
-                + ("a text-only model" if keeps_history else f"format {renderer.format}, not chat")
-                + "): chat without --image, or with a vision-language run trained on chat data"
+                f"--image {image}: {target.describe} takes no images ({why}): chat without --image, or with "
+                "a vision-language run trained on chat data"
             )
         try:
             pending = image_part(image)
