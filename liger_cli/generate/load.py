@@ -103,8 +103,9 @@ def is_vision_model(target: Target) -> bool:
     from liger_cli.model import read_config
     from liger_cli.model.vision import is_vision_language
 
-    trust = bool(target.recipe and target.recipe.model.trust_remote_code)
-    return is_vision_language(read_config(model_folder(target), trust))
+    m = target.recipe.model if target.recipe is not None else None
+    source = (m.path or m.config) if m is not None else model_folder(target)  # a run's, as it built it
+    return is_vision_language(read_config(source, bool(m and m.trust_remote_code)))
 
 
 def load_tokenizer_for(target: Target):
