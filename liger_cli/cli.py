@@ -225,9 +225,12 @@ def merge(
     result = merge_adapter(run_dir, out_dir, overwrite=overwrite)
     typer.echo(f"merged model written to {out_dir}")
     base = "the full-precision base + adapter" if result.quantized else "base + adapter"
+    probe = "probe batches of token ids and of images" if result.images else "a probe batch"
     typer.echo(
-        f"merge verified: the merged model reloaded gives {base}'s logits on a probe batch (largest difference {result.diff:.2g})"
+        f"merge verified: the merged model reloaded gives {base}'s logits on {probe} (largest difference {result.diff:.2g})"
     )
+    if result.no_image_probe:
+        typer.echo(f"no image probe for this vision-language model ({result.no_image_probe}): token ids only")
     if result.quantized:
         typer.echo(
             f"QLoRA: the run trained on a {result.quantized} 4-bit base; the merge is into the full-precision "
@@ -324,12 +327,18 @@ def chat(
     system: Annotated[str | None, typer.Option(help="A system message to start with.")] = None,
     format_: FormatOption = None,
     kernels: KernelsOption = False,
+    image: Annotated[
+        Path | None,
+        typer.Option(
+            help="An image for your first message (a vision-language run); /image PATH in the chat."
+        ),
+    ] = None,
 ) -> None:
     """Chat with a trained model in the terminal; replies stream as they are generated."""
     from liger_cli.serve.chat import chat_command
 
     sampling = _sampling(max_new_tokens, temperature, top_p, top_k, seed)
-    raise typer.Exit(chat_command(run_or_model, adapter, sampling, kernels, format_, system))
+    raise typer.Exit(chat_command(run_or_model, adapter, sampling, kernels, format_, system, image=image))
 
 
 def main() -> None:

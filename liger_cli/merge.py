@@ -79,8 +79,9 @@ def merge_adapter(run_dir: Path, out_dir: Path, overwrite: bool = False) -> Merg
     # built by its auto class (a vision-language model's too).
     auto = model_class(read_config(Path(base)))
     adapted = PeftModel.from_pretrained(auto.from_pretrained(base, dtype="auto"), adapter_dir)
-    probe = verify.random_probe(adapted.config)
-    expected = verify.logits_of(adapted, probe)
+    probes, no_image_probe = merge_probes(adapted)
+    expected = [verify.logits_of(adapted, p) for p in probes]
+    probe = probes[0]  # token ids: the 4-bit comparison's
     on_4bit = adapter_on_4bit_logits(adapter_dir, base, quantized, probe) if quantized else None
     model = adapted.merge_and_unload()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -89,22 +90,57 @@ def merge_adapter(run_dir: Path, out_dir: Path, overwrite: bool = False) -> Merg
         (tmp / MERGE_MARKER).touch()
         model.save_pretrained(tmp, safe_serialization=True)
         AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(tmp)
+        if len(probes) > 1 or no_image_probe:  # a VLM: its processor's files, for image prompts
+            copy_processor(Path(base), tmp)
         merged = auto.from_pretrained(tmp, dtype="auto")
-        diff, relative = verify.logit_difference(expected, verify.logits_of(merged, probe))
         rtol = verify.logit_rtol(merged.dtype)
-        if relative > rtol:
-            raise verify.NotVerified(
-                f"the merged model does not compute what base + adapter computes: largest logit difference "
-                f"{diff:.3g} ({relative:.2g} of the largest logit, tolerance {rtol:g}); nothing written to {out_dir}"
-            )
+        diff = 0.0
+        for what, probe_inputs, want in zip(("token", "image")[: len(probes)], probes, expected, strict=True):
+            found, relative = verify.logit_difference(want, verify.logits_of(merged, probe_inputs))
+            diff = max(diff, found)
+            if relative > rtol:
+                raise verify.NotVerified(
+                    f"the merged model does not compute what base + adapter computes on the {what} probe: largest "
+                    f"logit difference {found:.3g} ({relative:.2g} of the largest logit, tolerance {rtol:g}); "
+                    f"nothing written to {out_dir}"
+                )
         if out_dir.exists():  # checked above: empty, or a merge folder liger made
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if on_4bit is None:
-        return MergeResult(diff)
-    return MergeResult(diff, verify.logit_difference(on_4bit, verify.logits_of(merged, probe))[0], quantized)
+        return MergeResult(diff, images=len(probes) > 1, no_image_probe=no_image_probe)
+    on_4bit_diff = verify.logit_difference(on_4bit, verify.logits_of(merged, probe))[0]
+    return MergeResult(diff, on_4bit_diff, quantized, len(probes) > 1, no_image_probe)
+
+
+def merge_probes(adapted) -> tuple[list[dict[str, torch.Tensor]], str | None]:
+    """The probes base + adapter and the merged model must agree on: token ids; for a vision-language
+    model also a batch with an image in each row (pixels through the tower and the projector, which an
+    adapter may train), made as the twin makes its image batch (the model's own feature count). Second:
+    why a vision-language model has no image probe (said, not a failure), else None."""
+    from liger_cli.model.vision import is_vision_language, unwrapped
+
+    probes = [verify.random_probe(adapted.config)]
+    if not is_vision_language(adapted.config):
+        return probes, None
+    from liger_cli.twin.vision_batch import ImageBatchError, tiny_image_batch
+
+    try:
+        batch = tiny_image_batch(unwrapped(adapted))
+    except ImageBatchError as err:
+        return probes, str(err)
+    return [*probes, {k: v for k, v in batch.items() if k != "labels"}], None
+
+
+def copy_processor(base: Path, out: Path) -> None:
+    """The base's processor files (image sizes, template) beside the merged model, as they are."""
+    from liger_cli.data.images import PROCESSOR_FILES
+
+    for name in PROCESSOR_FILES:
+        if (base / name).is_file():
+            shutil.copy2(base / name, out / name)
 
 
 @dataclass(frozen=True)
@@ -115,6 +151,10 @@ class MergeResult:
     """QLoRA: largest logit difference, merged against the adapter on the 4-bit base it was trained on
     (the base's quantization error: reported, not a failure)."""
     quantized: str | None = None
+    images: bool = False
+    """The probe carried images (a vision-language model)."""
+    no_image_probe: str | None = None
+    """Why a vision-language model was checked on token ids only."""
 
 
 def quantization_of(run_dir: Path) -> str | None:

@@ -36,6 +36,7 @@ from liger_cli.data.images import (
     TOKEN_TYPE_KEYS,
     Picture,
     chat_template,
+    check_part,
     image_parts,
     open_image,
     processor_for,
@@ -136,14 +137,36 @@ def image_token_id(processor, folder: str) -> int:
 
 def expand(row, enc: Encoded, pictures: list[Picture], view, processor, image_id: int) -> ImageEncoded:
     """The text row's Encoded -> the processor's ids, labels aligned, and the image tensors (step 2, 3)."""
+    messages, tools = conversation(row)
+    ids, images = processed(render(view, messages, tools), pictures, processor)
+    labels, starts, counts, index = align(enc.input_ids, enc.labels, ids, image_id, len(pictures))
+    turns = [(f, _mapped(index, first), _mapped(index, end - 1) + 1) for f, first, end in enc.turns]
+    return ImageEncoded(ids, labels, turns, enc.warnings, images, [p.file for p in pictures], starts, counts)
+
+
+def encode_image_prompt(messages: list[dict], tokenizer, base: Path | None) -> tuple[list[int], bytes]:
+    """A prompt's conversation with images -> what training put before an answer: the processor's ids of
+    the conversation under its chat template with the generation prompt, and the image tensors
+    (IMAGES_COLUMN's blob, for `batch_images`). A ValueError names a bad part or image file."""
+    for where, part in image_parts(messages):
+        if (problem := check_part(part)) is not None:
+            raise ValueError(f'field "{where}": {problem}')
+    processor = processor_for(tokenizer)
+    pictures = [read_picture(f, part, base) for f, part in image_parts(messages)]
+    return processed(
+        render(template_view(tokenizer, processor), messages, generation_prompt=True), pictures, processor
+    )
+
+
+def processed(text: str, pictures: list[Picture], processor) -> tuple[list[int], bytes]:
+    """The processor's ids of a rendered text with its pictures (each placeholder expanded), and its
+    image tensors as one safetensors blob (per-token ones under PER_TOKEN + name)."""
     import numpy as np
     from safetensors.numpy import save
 
-    messages, tools = conversation(row)
-    full = render(view, messages, tools)
     try:
         out = processor(
-            text=[full],
+            text=[text],
             images=[open_image(p.data) for p in pictures],
             add_special_tokens=False,
             return_tensors="np",
@@ -152,9 +175,6 @@ def expand(row, enc: Encoded, pictures: list[Picture], view, processor, image_id
         raise ValueError(
             f'field "messages": the processor refused the row: {str(err).splitlines()[0]}'
         ) from None
-    ids = [int(t) for t in out["input_ids"][0]]
-    labels, starts, counts, index = align(enc.input_ids, enc.labels, ids, image_id, len(pictures))
-    turns = [(f, _mapped(index, first), _mapped(index, end - 1) + 1) for f, first, end in enc.turns]
     tensors = {
         (PER_TOKEN + k if k in TOKEN_TYPE_KEYS else k): np.ascontiguousarray(
             v[0] if k in TOKEN_TYPE_KEYS else v
@@ -162,9 +182,7 @@ def expand(row, enc: Encoded, pictures: list[Picture], view, processor, image_id
         for k, v in out.items()
         if k not in TEXT_KEYS
     }
-    return ImageEncoded(
-        ids, labels, turns, enc.warnings, save(tensors), [p.file for p in pictures], starts, counts
-    )
+    return [int(t) for t in out["input_ids"][0]], save(tensors)
 
 
 def align(plain: list[int], labels: list[int], expanded: list[int], image_id: int, n_images: int):

@@ -91,8 +91,27 @@ def chat_or_text(target: Target, tokenizer) -> str:
     return "chat" if getattr(tokenizer, "chat_template", None) else "text"
 
 
+def model_folder(target: Target) -> Path:
+    """The folder of the model the weights go on: its processor is the one training used for images."""
+    if target.recipe is not None:
+        return target.recipe.model.path or target.weights
+    return target.base if target.kind == "adapter" else target.weights
+
+
+def is_vision_model(target: Target) -> bool:
+    """Whether the model takes images (a vision-language config), read without loading weights."""
+    from liger_cli.model import read_config
+    from liger_cli.model.vision import is_vision_language
+
+    m = target.recipe.model if target.recipe is not None else None
+    source = (m.path or m.config) if m is not None else model_folder(target)  # a run's, as it built it
+    return is_vision_language(read_config(source, bool(m and m.trust_remote_code)))
+
+
 def load_tokenizer_for(target: Target):
     from transformers import AutoTokenizer
+
+    from liger_cli.data.images import remember_model
 
     if target.kind == "checkpoint":
         from liger_cli.data.tokenizer import load_tokenizer
@@ -104,6 +123,7 @@ def load_tokenizer_for(target: Target):
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust)
     except (OSError, ValueError) as err:
         raise UserError(f"cannot load a tokenizer from {source}: {str(err).splitlines()[0]}") from None
+    remember_model(tokenizer, model_folder(target), trust)  # image prompts: the processor training used
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

@@ -17,11 +17,14 @@ the model's own `generation_config` eos ids.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from liger_cli.data.chat import render
 from liger_cli.data.encode import _encode_with_prefix, render_instruction_prompt
+from liger_cli.data.image_rows import encode_image_prompt
+from liger_cli.data.images import batch_images, image_parts
 from liger_cli.errors import UserError
 
 FORMATS = ("text", "instruction", "chat", "preference")
@@ -67,6 +70,17 @@ class Renderer:
             instruction, inputs = _instruction(row)
             return _encode_with_prefix(self.tokenizer, render_instruction_prompt(instruction, inputs))[0]
         return _encode_with_prefix(self.tokenizer, _text(row))[0]
+
+    def encode(self, row: dict, base: Path | None) -> tuple[list[int], bytes]:
+        """The prompt's token ids and its image tensors (b"" for a row without images). A user turn's
+        image parts (`{"type": "image", "path": ...}` relative to `base`, or a data: URI) go through
+        the model's processor as training's image rows did (liger_cli.data.image_rows)."""
+        messages = self.messages(row)
+        if messages is None or not image_parts(messages):
+            return self.ids(row), b""
+        if self.system is not None and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": self.system}, *messages]
+        return encode_image_prompt(messages, self.tokenizer, base)
 
     def stop_ids(self, generation_config=None) -> list[int]:
         """eos, the template's end-of-turn token (chat-capable formats), the model's own eos ids."""
@@ -117,6 +131,20 @@ def read_prompts(path: Path) -> list[dict]:
     if not rows:
         raise UserError(f'{path} holds no prompts: write one JSON object per line, e.g. {{"prompt": "Hi"}}')
     return rows
+
+
+def image_row(row: dict) -> bool:
+    """Whether a prompt row's messages hold an image part."""
+    messages = row.get("messages", row.get("prompt"))
+    return isinstance(messages, list) and bool(image_parts(messages))
+
+
+def image_inputs(images: Sequence[bytes], prompts: Sequence[Sequence[int]]) -> dict | None:
+    """The image tensors of a batch of prompts (each prompt's blob, b"" for none) as the engine's
+    `inputs`: per-token ones padded on the left as the engine pads the prompts; None without images."""
+    if not any(images):
+        return None
+    return batch_images(list(images), [len(p) for p in prompts], max(len(p) for p in prompts), left=True)
 
 
 def max_length(config) -> int | None:

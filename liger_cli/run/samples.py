@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from liger_cli.data.encode import IGNORE_INDEX
-from liger_cli.data.images import IMAGE_STARTS, IMAGES_COLUMN, batch_images
+from liger_cli.data.images import IMAGE_STARTS, IMAGES_COLUMN
 from liger_cli.generate.engine import Sampling, generate
 from liger_cli.generate.load import run_format
-from liger_cli.generate.prompts import Renderer
+from liger_cli.generate.prompts import Renderer, image_inputs
 from liger_cli.recipe import Recipe
 
 SAMPLES_FILE = "samples.jsonl"
@@ -74,11 +74,7 @@ class Samples:
         mine = [i % len(self.prompts) for i in range(rank * share, (rank + 1) * share)]  # padded by repeats
         prompts = [self.prompts[i] for i in mine]
         blobs = [self.images[i] for i in mine]
-        inputs = (
-            batch_images(blobs, [len(p) for p in prompts], max(len(p) for p in prompts), left=True)
-            if any(blobs)
-            else None
-        )
+        inputs = image_inputs(blobs, prompts)
         with backend.generation(model) as (module, any_running):
             found = generate(
                 module, prompts, Sampling(self.max_new_tokens, temperature=0),

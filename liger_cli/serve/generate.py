@@ -5,6 +5,10 @@ Each input row gives `--num-return-sequences` output rows: the input row's field
 `finish_reason` (`stop` / `length`), `sample_index` when there are several, and with `--logprobs`
 `logprobs` (each token under the distribution it was sampled from).
 
+A chat row's user turn may hold image parts (`{"type": "image", "path": ...}` relative to the prompts
+file, or a data: URI), as training data does: the run's processor renders and expands them
+(`Renderer.encode`), and each batch's image tensors go to the prompts' forward.
+
 Under `accelerate launch` the batches are dealt to the processes in turn; every completion depends only
 on its prompt, the seed and its place in the file (`engine.py`), so N processes write what one does.
 Rank 0 gathers the rows and writes the file, under a temporary name renamed into place.
@@ -22,8 +26,15 @@ from pathlib import Path
 
 from liger_cli.errors import UserError
 from liger_cli.generate.engine import Completion, Sampling, generate
-from liger_cli.generate.load import chat_or_text, find_target, load_model, load_tokenizer_for
-from liger_cli.generate.prompts import PromptError, Renderer, max_length, read_prompts
+from liger_cli.generate.load import chat_or_text, find_target, is_vision_model, load_model, load_tokenizer_for
+from liger_cli.generate.prompts import (
+    PromptError,
+    Renderer,
+    image_inputs,
+    image_row,
+    max_length,
+    read_prompts,
+)
 
 
 @dataclass(frozen=True)
@@ -55,7 +66,7 @@ def generate_command(
     rows = read_prompts(prompts)
     tokenizer = load_tokenizer_for(target)
     renderer = Renderer(tokenizer, chat_or_text(target, tokenizer))
-    prompt_ids = render_all(renderer, rows, prompts)
+    prompt_ids, images = render_all(renderer, rows, prompts, target)
     rank, world, device = _processes()
     model = load_model(target, device)
     if options.kernels:
@@ -73,9 +84,10 @@ def generate_command(
     progress = _progress(sum(len(b) for b in mine), rank)
     tokens, start = 0, time.perf_counter()
     for batch in mine:
+        batch_ids = [prompt_ids[i] for i, _ in batch]
         found = generate(
-            model, [prompt_ids[i] for i, _ in batch], options.sampling, stop_ids=stops,
-            pad_id=tokenizer.pad_token_id, keys=[i * n + r for i, r in batch], device=device,
+            model, batch_ids, options.sampling, stop_ids=stops, pad_id=tokenizer.pad_token_id,
+            keys=[i * n + r for i, r in batch], device=device, inputs=image_inputs([images[i] for i, _ in batch], batch_ids),
         )  # fmt: skip
         done.update(zip(batch, found, strict=True))
         tokens += sum(len(c.ids) for c in found)
@@ -93,14 +105,26 @@ def generate_command(
     return 0
 
 
-def render_all(renderer: Renderer, rows: list[dict], source: Path) -> list[list[int]]:
-    ids = []
+def render_all(
+    renderer: Renderer, rows: list[dict], source: Path, target
+) -> tuple[list[list[int]], list[bytes]]:
+    """Every row's prompt ids and image tensors (b"" for a text row); image paths are relative to the
+    prompts file's folder."""
+    pictured = [line for line, row in enumerate(rows, 1) if image_row(row)]
+    if pictured and not is_vision_model(target):
+        raise UserError(
+            f"{source} row {pictured[0]}: an image prompt, but {target.describe} is a text-only model (no "
+            "vision tower): give its rows without image parts, or a vision-language run"
+        )
+    ids, images = [], []
     for line, row in enumerate(rows, 1):
         try:
-            ids.append(renderer.ids(row))
-        except (PromptError, ValueError) as err:
+            found, blob = renderer.encode(row, source.parent.resolve())
+        except (PromptError, ValueError, UserError) as err:  # a UserError: the model's processor
             raise UserError(f"{source} row {line}: {err}") from None
-    return ids
+        ids.append(found)
+        images.append(blob)
+    return ids, images
 
 
 def check_lengths(prompt_ids: list[list[int]], max_new_tokens: int, config, source) -> None:
