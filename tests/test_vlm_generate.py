@@ -252,3 +252,28 @@ def test_merge_of_a_vlm_run_checks_image_logits(run: Path, tmp_path: Path, monke
     with pytest.raises(NotVerified, match="on the image probe: largest logit difference"):
         merge_adapter(run, tmp_path / "bad")
     assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".bad*"))
+
+
+def test_image_prompts_on_a_multimodal_rope_model_are_refused_not_misplaced() -> None:
+    """Qwen2-VL places its image tokens from the image grid (M-RoPE); the engine's text positions would
+    put them wrong silently, so its image prompts are refused (text prompts still generate), and a
+    LLaVA-style model, whose positions are plain text positions, is not refused."""
+    from transformers import AutoModelForImageTextToText
+    from vlm_models import CONFIGS, _tokenizer, image_inputs
+
+    from liger_cli.errors import UserError
+    from liger_cli.generate.engine import Sampling, generate, places_its_own_positions
+
+    models = {}
+    for family in ("qwen2_vl", "llava"):
+        make, tokens = CONFIGS[family]
+        torch.manual_seed(0)
+        models[family] = AutoModelForImageTextToText.from_config(make(_tokenizer(tokens))).eval()
+    qwen = models["qwen2_vl"]
+    assert places_its_own_positions(qwen) and not places_its_own_positions(models["llava"])
+    image = image_inputs(qwen.config, 1, torch.Generator().manual_seed(0))
+    prompt = [[qwen.config.vision_start_token_id] + [qwen.config.image_token_id] * 4 + [5, 6]]
+    with pytest.raises(UserError, match="multimodal RoPE"):
+        generate(qwen, prompt, Sampling(max_new_tokens=2), pad_id=0, stop_ids=[], inputs=image)
+    text = generate(qwen, [[5, 6, 7]], Sampling(max_new_tokens=2), pad_id=0, stop_ids=[])
+    assert len(text[0].ids) == 2

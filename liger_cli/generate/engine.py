@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from liger_cli.errors import UserError
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -99,6 +101,12 @@ def generate(
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
+    if inputs and places_its_own_positions(model):
+        raise UserError(
+            f"image prompts on {type(model).__name__}: it computes its image tokens' rotary positions "
+            "itself (multimodal RoPE), which liger's generation does not do yet; give text-only prompts, "
+            "or generate with transformers' model.generate"
+        )
     device = device or next(model.parameters()).device
     keys = list(range(len(prompts))) if keys is None else list(keys)
     generators = [torch.Generator().manual_seed(sequence_seed(sampling.seed, k)) for k in keys]
@@ -141,6 +149,12 @@ def generate(
     finally:
         model.train(was_training)
     return completions
+
+
+def places_its_own_positions(model: nn.Module) -> bool:
+    """Multimodal rotary models (Qwen2-VL's M-RoPE and the like) place each image token from the image
+    grid (`get_rope_index`); the engine's text positions would be silently wrong for their images."""
+    return any(hasattr(m, "get_rope_index") for m in model.modules())
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:

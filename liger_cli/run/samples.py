@@ -17,7 +17,7 @@ from pathlib import Path
 
 from liger_cli.data.encode import IGNORE_INDEX
 from liger_cli.data.images import IMAGE_STARTS, IMAGES_COLUMN
-from liger_cli.generate.engine import Sampling, generate
+from liger_cli.generate.engine import Sampling, generate, places_its_own_positions
 from liger_cli.generate.load import run_format
 from liger_cli.generate.prompts import Renderer, image_inputs
 from liger_cli.recipe import Recipe
@@ -47,7 +47,11 @@ class Samples:
         split = [prompt_and_answer(r[f"{prefix}input_ids"], r[f"{prefix}labels"]) for r in rows]
         # a row whose images all sit in its prompt (a later turn's image would not match the cut prompt)
         images = [r.get(IMAGES_COLUMN) or b"" for r in rows]
-        keep = [i for i, r in enumerate(rows) if not images[i] or max(r[IMAGE_STARTS]) < len(split[i][0])]
+        own_positions = places_its_own_positions(
+            model
+        )  # image prompts would get wrong positions: text rows only
+        keep = [i for i, r in enumerate(rows)
+                if not images[i] or (not own_positions and max(r[IMAGE_STARTS]) < len(split[i][0]))]  # fmt: skip
         if not keep:
             return None
         split, images = [split[i] for i in keep], [images[i] for i in keep]
