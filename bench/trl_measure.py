@@ -1,0 +1,67 @@
+"""TRL's side of a *_vs_trl.py bench, measured as `liger bench`'s worker measures liger's.
+
+Run inside the TRL process (under .venv-trl): `start()` before anything of the run exists (it gives
+the process `liger train`'s CPU allocator setting and returns the RSS baseline), a `step_clock()`
+callback on the trainer, then `summary()` of the steps after the warm-up: the mean step time (each
+from the end of the step before to the end of its optimizer step) and the peak RSS growth.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+
+
+def start() -> float:
+    """Blocks of 1 MiB and more served by mmap, as `liger train` does on a CPU
+    (`launch.start._return_freed_memory_to_the_os`); the RSS in MiB, the baseline of the peak."""
+    from liger_cli.bench.compare import _rss_mb
+    from liger_cli.launch.start import _return_freed_memory_to_the_os
+
+    _return_freed_memory_to_the_os()
+    return _rss_mb()
+
+
+def step_clock():
+    """A TrainerCallback that records each step's time and the process's peak RSS at its end."""
+    from transformers import TrainerCallback
+
+    class StepClock(TrainerCallback):
+        def __init__(self):
+            self.last, self.steps = None, []
+
+        def on_train_begin(self, *_, **__):
+            self.last = time.perf_counter()
+
+        def on_step_end(self, _args, state, *_, **__):
+            now = time.perf_counter()
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            self.steps.append(
+                {"step": state.global_step, "step_time_s": now - self.last, "peak_mem_mb": peak}
+            )
+            self.last = now
+
+    return StepClock()
+
+
+def summary(clock, warmup: int, baseline: float) -> dict:
+    """Step time (mean and each) and peak memory over the measured steps, the versions of TRL's side."""
+    import peft
+    import torch
+    import transformers
+    import trl
+
+    measured = [s for s in clock.steps if s["step"] > warmup]
+    return {
+        "step_time_s": sum(s["step_time_s"] for s in measured) / len(measured),
+        "step_times_s": [s["step_time_s"] for s in measured],
+        "peak_mem_mb": max(s["peak_mem_mb"] for s in measured) - baseline,
+        "baseline_mb": baseline,
+        "measured_steps": len(measured),
+        "versions": {
+            "trl": trl.__version__,
+            "transformers": transformers.__version__,
+            "peft": peft.__version__,
+            "torch": torch.__version__,
+        },
+    }
