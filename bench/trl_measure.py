@@ -1,7 +1,7 @@
 """TRL's side of a *_vs_trl.py bench, measured as `liger bench`'s worker measures liger's.
 
-Run inside the TRL process (under .venv-trl): `start()` before anything of the run exists (it gives
-the process `liger train`'s CPU allocator setting and returns the RSS baseline), a `step_clock()`
+Run inside the TRL process (under .venv-trl): `start()` first (it gives the process `liger train`'s CPU
+allocator setting, imports what a TRL run imports and returns the RSS baseline), a `step_clock()`
 callback on the trainer, then `summary()` of the steps after the warm-up: the mean step time (each
 from the end of the step before to the end of its optimizer step) and the peak RSS growth.
 """
@@ -14,11 +14,19 @@ import time
 
 def start() -> float:
     """Blocks of 1 MiB and more served by mmap, as `liger train` does on a CPU
-    (`launch.start._return_freed_memory_to_the_os`); the RSS in MiB, the baseline of the peak."""
-    from liger_cli.bench.compare import _rss_mb
+    (`launch.start._return_freed_memory_to_the_os`); then the imports (as liger's worker imports before
+    its baseline); the RSS in MiB after them, the baseline of the peak."""
     from liger_cli.launch.start import _return_freed_memory_to_the_os
 
     _return_freed_memory_to_the_os()
+    import datasets  # noqa: F401
+    import peft  # noqa: F401
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+    import trl  # noqa: F401
+
+    from liger_cli.bench.compare import _rss_mb
+
     return _rss_mb()
 
 

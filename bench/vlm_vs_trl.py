@@ -156,7 +156,7 @@ def trl_worker(model_dir: str, rows_file: str, result: str, args) -> int:
     sys.path.insert(0, str(Path(__file__).parent))
     from trl_measure import start, step_clock, summary
 
-    baseline = start()
+    baseline = start()  # the imports done, nothing of the run exists yet
     import datasets
     import torch
     from peft import LoraConfig
