@@ -366,15 +366,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.trl_worker:
         return trl_worker(args)
 
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    if unknown := set(variants) - set(VARIANTS):
-        parser.error(f"--variants: unknown {', '.join(sorted(unknown))}")
+    sys.path.insert(0, str(Path(__file__).parent))
+    from trl_measure import chosen_variants
+
+    variants = chosen_variants(parser, args, VARIANTS)
     if args.steps < 1 or args.warmup < 0 or args.repeats < 1 or args.pairs < 1:
         parser.error("--steps, --repeats and --pairs must be at least 1, --warmup at least 0")
-    if "trl" in variants and not args.trl_python.is_file():
-        parser.error(
-            f"{args.trl_python} not found: set up TRL's venv (see this script's docstring) or leave out trl"
-        )
 
     from transformers import AutoTokenizer
 

@@ -3,13 +3,26 @@
 Run inside the TRL process (under .venv-trl): `start()` first (it gives the process `liger train`'s CPU
 allocator setting, imports what a TRL run imports and returns the RSS baseline), a `step_clock()`
 callback on the trainer, then `summary()` of the steps after the warm-up: the mean step time (each
-from the end of the step before to the end of its optimizer step) and the peak RSS growth.
+from the end of the step before to the end of its optimizer step) and the peak RSS growth. In the
+parent, `chosen_variants()` reads --variants and checks the TRL interpreter is there when needed.
 """
 
 from __future__ import annotations
 
 import resource
 import time
+
+
+def chosen_variants(parser, args, known: tuple[str, ...]) -> list[str]:
+    """--variants as a list, each one of `known`; --trl-python must exist when "trl" is among them."""
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if unknown := set(variants) - set(known):
+        parser.error(f"--variants: unknown {', '.join(sorted(unknown))}")
+    if "trl" in variants and not args.trl_python.is_file():
+        parser.error(
+            f"{args.trl_python} not found: set up TRL's venv (see this script's docstring) or leave out trl"
+        )
+    return variants
 
 
 def start() -> float:

@@ -226,13 +226,10 @@ def main() -> int:
     args = parser.parse_args()
     if args.trl_worker:
         return trl_worker(*args.trl_worker, args)
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    if unknown := set(variants) - set(VARIANTS):
-        parser.error(f"--variants: unknown {', '.join(sorted(unknown))}")
-    if "trl" in variants and not args.trl_python.is_file():
-        parser.error(
-            f"{args.trl_python} not found: set up TRL's venv (see this script's docstring) or leave out trl"
-        )
+    sys.path.insert(0, str(Path(__file__).parent))
+    from trl_measure import chosen_variants
+
+    variants = chosen_variants(parser, args, VARIANTS)
 
     out = args.out.resolve()
     shutil.rmtree(out, ignore_errors=True)
