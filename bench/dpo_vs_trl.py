@@ -224,23 +224,16 @@ def run_trl(model_dir: Path, pairs_file: Path, out: Path, args) -> dict:
 
 def trl_worker(args) -> int:
     """Runs under .venv-trl: TRL's DPOTrainer on the shared model and pairs, timed and measured per step."""
-    from liger_cli.launch.start import _return_freed_memory_to_the_os
+    sys.path.insert(0, str(Path(__file__).parent))
+    from trl_measure import start, step_clock, summary
 
-    _return_freed_memory_to_the_os()  # as `liger train` does on a CPU
-    import resource
-
+    baseline = start()  # the imports done, nothing of the run exists yet
     import datasets
     import peft
     import torch
-    import transformers
-    import trl
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
-
-    from liger_cli.bench.compare import _rss_mb
-
-    baseline = _rss_mb()  # after the imports, before anything of the run exists
 
     class Measured(DPOTrainer):
         losses: list[float] = []
@@ -252,21 +245,6 @@ def trl_worker(args) -> int:
                 Measured.losses.append(float((out[0] if return_outputs else out).detach()))
                 Measured.tokens.append(int(inputs["input_ids"].numel()))
             return out
-
-    class Clock(TrainerCallback):
-        def __init__(self):
-            self.last, self.steps = None, []
-
-        def on_train_begin(self, *_, **__):
-            self.last = time.perf_counter()
-
-        def on_step_end(self, _args, state, *_, **__):
-            now = time.perf_counter()
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-            self.steps.append(
-                {"step": state.global_step, "step_time_s": now - self.last, "peak_mem_mb": peak}
-            )
-            self.last = now
 
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
@@ -280,7 +258,7 @@ def trl_worker(args) -> int:
         max_length=args.seq_len, precompute_ref_log_probs=False, logging_steps=1, save_strategy="no",
         eval_strategy="no", report_to=[], disable_tqdm=True, dataloader_num_workers=0,
     )  # fmt: skip
-    clock = Clock()
+    clock = step_clock()
     trainer = Measured(
         model=model, args=config, train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer,
         peft_config=LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"],
@@ -289,26 +267,12 @@ def trl_worker(args) -> int:
     )  # fmt: skip
     assert trainer.ref_model is None and isinstance(trainer.model, peft.PeftModel)  # reference: adapter off
     trainer.train()
-    measured = [s for s in clock.steps if s["step"] > args.warmup]
-    Path(args.result).write_text(
-        json.dumps(
-            {
-                "step_time_s": sum(s["step_time_s"] for s in measured) / len(measured),
-                "step_times_s": [s["step_time_s"] for s in measured],
-                "peak_mem_mb": max(s["peak_mem_mb"] for s in measured) - baseline,
-                "baseline_mb": baseline,
-                "first_step_loss": Measured.losses[0],
-                "tokens_per_step": sum(Measured.tokens[args.warmup :]) / len(Measured.tokens[args.warmup :]),
-                "measured_steps": len(measured),
-                "versions": {
-                    "trl": trl.__version__,
-                    "transformers": transformers.__version__,
-                    "peft": peft.__version__,
-                    "torch": torch.__version__,
-                },
-            }
-        )  # fmt: skip
-    )
+    tokens = Measured.tokens[args.warmup :]
+    Path(args.result).write_text(json.dumps({
+        **summary(clock, args.warmup, baseline),
+        "first_step_loss": Measured.losses[0],
+        "tokens_per_step": sum(tokens) / len(tokens),
+    }))  # fmt: skip
     return 0
 
 
@@ -402,15 +366,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.trl_worker:
         return trl_worker(args)
 
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    if unknown := set(variants) - set(VARIANTS):
-        parser.error(f"--variants: unknown {', '.join(sorted(unknown))}")
+    sys.path.insert(0, str(Path(__file__).parent))
+    from trl_measure import chosen_variants
+
+    variants = chosen_variants(parser, args, VARIANTS)
     if args.steps < 1 or args.warmup < 0 or args.repeats < 1 or args.pairs < 1:
         parser.error("--steps, --repeats and --pairs must be at least 1, --warmup at least 0")
-    if "trl" in variants and not args.trl_python.is_file():
-        parser.error(
-            f"{args.trl_python} not found: set up TRL's venv (see this script's docstring) or leave out trl"
-        )
 
     from transformers import AutoTokenizer
 

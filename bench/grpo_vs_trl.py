@@ -114,21 +114,18 @@ def trl_variant(model_dir: Path, prompts: Path, reward: Path, out: Path, args) -
 
 def trl_worker(model_dir: str, prompts: str, reward: str, result: str, args) -> int:
     """Under .venv-trl: TRL's GRPOTrainer, each step timed, its generation timed apart."""
-    from liger_cli.launch.start import _return_freed_memory_to_the_os
+    sys.path.insert(0, str(Path(__file__).parent))
+    from trl_measure import start, step_clock, summary
 
-    _return_freed_memory_to_the_os()  # as `liger train` does on a CPU
+    baseline = start()  # the imports done, nothing of the run exists yet
     import importlib.util
-    import resource
 
     import datasets
     import torch
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from liger_cli.bench.compare import _rss_mb
-
-    baseline = _rss_mb()
     spec = importlib.util.spec_from_file_location("rewards", reward)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -136,22 +133,10 @@ def trl_worker(model_dir: str, prompts: str, reward: str, result: str, args) -> 
 
     class Timed(GRPOTrainer):
         def _generate(self, *a, **k):
-            start = time.perf_counter()
+            began = time.perf_counter()
             out = super()._generate(*a, **k)
-            generation.append(time.perf_counter() - start)
+            generation.append(time.perf_counter() - began)
             return out
-
-    class Clock(TrainerCallback):
-        def __init__(self):
-            self.last, self.steps = None, []
-
-        def on_train_begin(self, *_, **__):
-            self.last = time.perf_counter()
-
-        def on_step_end(self, _args, state, *_, **__):
-            now = time.perf_counter()
-            self.steps.append((now - self.last, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
-            self.last = now
 
     torch.manual_seed(0)
     rows = [json.loads(line) for line in Path(prompts).read_text().splitlines()]
@@ -164,7 +149,7 @@ def trl_worker(model_dir: str, prompts: str, reward: str, result: str, args) -> 
         seed=0, dataloader_num_workers=0,
         generation_kwargs={"use_cache": True},  # the bench config says use_cache false (training's setting)
     )  # fmt: skip
-    clock = Clock()
+    clock = step_clock()
     trainer = Timed(
         model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
         reward_funcs=[module.length_reward], args=config, train_dataset=datasets.Dataset.from_list(rows),
@@ -173,12 +158,9 @@ def trl_worker(model_dir: str, prompts: str, reward: str, result: str, args) -> 
         callbacks=[clock],
     )  # fmt: skip
     trainer.train()
-    measured = clock.steps[args.warmup :]
-    Path(result).write_text(json.dumps({
-        "step_time_s": sum(t for t, _ in measured) / len(measured),
-        "peak_mem_mb": max(m for _, m in measured) - baseline,
-        "generation_s": sum(generation[args.warmup :]) / len(generation[args.warmup :]),
-    }))  # fmt: skip
+    generated = generation[args.warmup :]
+    Path(result).write_text(json.dumps({**summary(clock, args.warmup, baseline),
+                                        "generation_s": sum(generated) / len(generated)}))  # fmt: skip
     return 0
 
 

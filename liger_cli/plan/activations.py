@@ -90,9 +90,12 @@ def _fused_attention(saved: _Saved):
         torch.nn.functional.scaled_dot_product_attention = real
 
 
-def measure_activations(model: nn.Module, layers: list[nn.Module], batch: int, seq_len: int) -> Activations:
+def measure_activations(
+    model: nn.Module, layers: list[nn.Module], batch: int, seq_len: int, meta_batch: dict | None = None
+) -> Activations:
     """Run one training-mode forward of the meta `model` on [batch, seq_len] tokens, without labels
-    (the loss and its logits are the loss component's), and count what autograd keeps."""
+    (the loss and its logits are the loss component's), and count what autograd keeps. `meta_batch`: the
+    meta batch when it is more than token ids (a VLM's pictures: `image_inputs.meta_image_batch`)."""
     saved = _Saved(model)
     per_layer = [0] * len(layers)
     inputs: list[int] = []
@@ -115,7 +118,7 @@ def measure_activations(model: nn.Module, layers: list[nn.Module], batch: int, s
     for i, layer in enumerate(layers):
         handles.append(layer.register_forward_pre_hook(before(i), with_kwargs=True))
         handles.append(layer.register_forward_hook(after(i), with_kwargs=True))
-    ids = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
+    meta_batch = meta_batch or {"input_ids": torch.zeros(batch, seq_len, dtype=torch.long, device="meta")}
     was_training = model.training
     model.train()
     try:
@@ -124,7 +127,7 @@ def measure_activations(model: nn.Module, layers: list[nn.Module], batch: int, s
             _fused_attention(saved),
             torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.note(t), t)[1], lambda t: t),
         ):
-            model(input_ids=ids, attention_mask=torch.ones_like(ids))
+            model(**meta_batch, attention_mask=torch.ones_like(meta_batch["input_ids"]))
     finally:
         for handle in handles:
             handle.remove()

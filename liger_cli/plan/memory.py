@@ -22,6 +22,7 @@ from liger_cli.model.quantize import BLOCKSIZE, shards_weights
 from liger_cli.plan.activations import Activations, measure_activations
 from liger_cli.plan.backends import BACKENDS
 from liger_cli.plan.decide import Plan
+from liger_cli.plan.image_inputs import meta_image_batch
 from liger_cli.plan.memory_objectives import kv_cache_bytes, reference, rows_per_example
 from liger_cli.recipe import Recipe
 
@@ -52,6 +53,8 @@ class Facts:
     lm_head_trainable: bool
     device: str
     unmeasured: str = ""
+    pictures: str = ""
+    """A VLM's: what its measured batch held besides text (`image_inputs.meta_image_batch`)."""
     whole_bytes: int = 0
     """Of param_bytes, what no backend shards: QLoRA's quantization statistics (kept beside each 4-bit
     weight, not as parameters)."""
@@ -208,7 +211,8 @@ def estimate(facts: Facts, s: Settings) -> tuple[dict[str, int], dict[str, str]]
     pairs = f" ({s.micro_batch} pairs{reference})" if s.rows_per_example == 2 and not s.kv_cache_bytes else ""
     if s.kv_cache_bytes:
         pairs = f" ({s.micro_batch} prompts x {s.rows_per_example} completions)"
-    notes["activations"] = f"{rows} x {facts.seq_len} tokens{pairs}, {mode}"
+    pictures = f" ({facts.pictures})" if facts.pictures else ""
+    notes["activations"] = f"{rows} x {facts.seq_len} tokens{pairs}{pictures}, {mode}"
     if facts.activations is None:
         parts["activations"] = 0
         notes["activations"] = f"NOT MEASURED ({facts.unmeasured}): the total is a lower bound"
@@ -349,9 +353,10 @@ def measure_facts(recipe: Recipe, plan: Plan, model: nn.Module) -> Facts:
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan.precision)
     if low is not None:  # autocast computes in it: measure activations at its size (meta: no cost)
         model.to(low)
-    activations, unmeasured = None, ""
+    activations, unmeasured, pictures = None, "", ""
     try:
-        activations = measure_activations(model, layers, batch, seq_len)
+        inputs, pictures = meta_image_batch(model, batch, seq_len) or ({}, "")
+        activations = measure_activations(model, layers, batch, seq_len, inputs)
     except Exception as err:  # noqa: BLE001 - any model code: say what stopped it, guess nothing
         unmeasured = f"its forward cannot run on the meta device: {type(err).__name__}: {str(err)[:120]}"
     return Facts(
@@ -366,6 +371,7 @@ def measure_facts(recipe: Recipe, plan: Plan, model: nn.Module) -> Facts:
         lm_head_trainable=bool(head is not None and head.weight.requires_grad),
         device=plan.device,
         unmeasured=unmeasured,
+        pictures=pictures,
         whole_bytes=sum(stats for _, stats in four_bit.values()),
     )
 
