@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from liger_cli.errors import UserError
-from liger_cli.generate.engine import Sampling, generate
+from liger_cli.generate.engine import Sampling, generate, places_its_own_positions
 from liger_cli.generate.load import chat_or_text, find_target, is_vision_model, load_model, load_tokenizer_for
 from liger_cli.generate.prompts import PromptError, Renderer, image_inputs, max_length
 
@@ -48,6 +48,13 @@ def chat_command(
             raise UserError(f"--image {err}") from None
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = load_model(target, device)
+    if images and places_its_own_positions(model):  # multimodal RoPE: the engine would misplace images
+        if pending is not None:
+            raise UserError(
+                f"--image {image}: {type(model).__name__} computes its image tokens' rotary positions itself "
+                "(multimodal RoPE), which liger's generation does not do yet: chat without --image"
+            )
+        images = False
     if kernels:
         from liger_cli.serve.kernels import patch_proved_kernels
 

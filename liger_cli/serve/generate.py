@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from liger_cli.errors import UserError
-from liger_cli.generate.engine import Completion, Sampling, generate
+from liger_cli.generate.engine import Completion, Sampling, generate, places_its_own_positions
 from liger_cli.generate.load import chat_or_text, find_target, is_vision_model, load_model, load_tokenizer_for
 from liger_cli.generate.prompts import (
     PromptError,
@@ -74,6 +74,13 @@ def generate_command(
 
         patch_proved_kernels(model, target, echo if rank == 0 else lambda *_: None)
     check_lengths(prompt_ids, options.sampling.max_new_tokens, model.config, prompts)
+    if any(images) and places_its_own_positions(model):  # on every rank, before any rank generates
+        row = next(i for i, blob in enumerate(images, 1) if blob)
+        raise UserError(
+            f"{prompts} row {row}: an image prompt, but {type(model).__name__} computes its image tokens' "
+            "rotary positions itself (multimodal RoPE), which liger's generation does not do yet: give "
+            "text-only prompts"
+        )
     stops = renderer.stop_ids(getattr(model, "generation_config", None))
 
     n = options.num_return_sequences
