@@ -98,14 +98,19 @@ def model_folder(target: Target) -> Path:
     return target.base if target.kind == "adapter" else target.weights
 
 
+def config_source(target: Target) -> Path:
+    """Where the model's config is: a run's as it built it (model.path or model.config), else the folder."""
+    m = target.recipe.model if target.recipe is not None else None
+    return (m.path or m.config) if m is not None else model_folder(target)
+
+
 def is_vision_model(target: Target) -> bool:
     """Whether the model takes images (a vision-language config), read without loading weights."""
     from liger_cli.model import read_config
     from liger_cli.model.vision import is_vision_language
 
-    m = target.recipe.model if target.recipe is not None else None
-    source = (m.path or m.config) if m is not None else model_folder(target)  # a run's, as it built it
-    return is_vision_language(read_config(source, bool(m and m.trust_remote_code)))
+    trust = target.recipe is not None and target.recipe.model.trust_remote_code
+    return is_vision_language(read_config(config_source(target), trust))
 
 
 def load_tokenizer_for(target: Target):
@@ -136,12 +141,10 @@ def load_model(target: Target, device: torch.device | None = None):
 
     process_state.quiet_libraries()
     recipe = target.recipe
-    if recipe is not None:
-        process_state.hide_bitsandbytes_unless_quantized(
-            recipe.model.quantize, recipe.model.path or recipe.model.config
-        )
-    else:  # a model folder, or an adapter on one (a pre-quantized base names its quantization_config)
-        process_state.hide_bitsandbytes_unless_quantized("none", target.base or target.weights)
+    quantize = (
+        recipe.model.quantize if recipe is not None else "none"
+    )  # a pre-quantized base: its config says
+    process_state.hide_bitsandbytes_unless_quantized(quantize, config_source(target))
     if recipe is not None:
         model = _load_run_model(target, _one_process(recipe))
     else:
