@@ -46,6 +46,8 @@ def pytest_xdist_auto_num_workers(config) -> int:
 def pytest_collection_modifyitems(items) -> None:
     """Slowest files first (a stable sort: each file's tests keep their order)."""
     items.sort(key=lambda item: -SLOW_FILES.get(item.path.name, 0))
+
+
 QUICKSTART_MODEL = REPO / "recipes" / "quickstart" / "model"
 
 
