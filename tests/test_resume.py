@@ -173,7 +173,7 @@ def killed(recipe: Path, where: str, at: int, *overrides: str) -> int:
     import sys
 
     args = [sys.executable, "-c", KILL_DRIVER, str(recipe), where, str(at), *overrides]
-    return subprocess.run(args, capture_output=True, text=True, timeout=300).returncode
+    return subprocess.run(args, capture_output=True, text=True, timeout=600).returncode
 
 
 def test_sigkill_at_several_points_then_resume_is_bit_identical(

@@ -61,7 +61,7 @@ cli.main()
 
 
 def run(driver: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", driver, *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-c", driver, *args], capture_output=True, text=True, timeout=600)
 
 
 def write_recipe(model_dir: Path, root: Path, name: str, **extra: str) -> Path:

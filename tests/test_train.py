@@ -30,7 +30,7 @@ def recipe_text(model_dir: Path, out: Path, **extra: str) -> str:
     return "".join(f"{k}: {v}\n" for k, v in sections.items())
 
 
-def liger(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def liger(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "liger_cli", *args], capture_output=True, text=True, timeout=timeout
     )
