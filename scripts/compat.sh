@@ -58,7 +58,7 @@ cat "$OUT/versions.txt"
 
 status=0
 echo "compat: kernel sweep (scripts/kernel_coverage.py)"
-"$PY" scripts/kernel_coverage.py --json "$OUT/kernel-coverage.json" --markdown "$OUT/kernel-coverage.md" \
+"$PY" scripts/kernel_coverage.py --check --json "$OUT/kernel-coverage.json" --markdown "$OUT/kernel-coverage.md" \
   | tee "$OUT/sweep.txt" || status=1
 echo "compat: fast tests"
 "$PY" -m pytest -q -p no:cacheprovider "${FAST_TESTS[@]}" 2>&1 | tee "$OUT/tests.txt" || status=1

@@ -4,10 +4,16 @@ For each type: its config class's defaults, shrunk to a tiny twin (`liger_cli.tw
 auxiliary loss on where the config has one, one training step unpatched and then with each kernel
 patched (`liger_cli.twin.kernel_check.compare_kernels`): the loss and every gradient must agree, or the
 kernel must be left alone by `patch_model` with a reason. A disagreement is "silently wrong", an
-exception in a patched model is a crash; the sweep test (tests/test_kernel_sweep.py) requires none.
+exception in a patched model is a crash; either exits 1.
 
     python scripts/kernel_coverage.py                    # writes docs/kernel-coverage.md
+    python scripts/kernel_coverage.py --check --compare-docs   # the full sweep as a check (CI's pins)
     python scripts/kernel_coverage.py --json out.json --workers 2 --only llama,mixtral
+
+`--check` also requires the coverage targets (every type once, every kernel patched or left alone with
+a reason, >= 150 types built, >= 45 with all four kernels, the MoE router losses kept); `--compare-docs`
+compares the table with the committed one instead of writing it. tests/test_kernel_sweep.py runs one
+type per code path; this runs all of them.
 
 Types run in worker processes (one crash or hang cannot stop the sweep).
 """
@@ -186,6 +192,39 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")
+
+
+def target_failures(rows: list[dict], all_types: list[str]) -> list[str]:
+    """What `--check` requires of a full sweep, beyond no type wrong or crashing."""
+    failures = []
+    if [r["type"] for r in rows] != all_types:
+        failures.append("the rows are not every causal-LM type, once each, in order")
+    built = [r for r in rows if r.get("built")]
+    if len(built) < 150:
+        failures.append(f"only {len(built)} types built tiny (target 150)")
+    for r in rows:
+        if not r.get("built"):
+            if not r.get("reason") and not r.get("crash"):
+                failures.append(f"{r['type']}: not built, and no reason")
+            continue
+        for kernel in FOUR:
+            line = next((line for line in r.get("report", []) if line.startswith(kernel + ":")), "")
+            if kernel not in r.get("patched", []) and ": not patched: " not in line:
+                failures.append(
+                    f"{r['type']}: {kernel} neither patched nor left alone with a reason: {line!r}"
+                )
+    full = [r for r in built if all(k in r.get("patched", []) for k in FOUR)]
+    if len(full) < 45:
+        failures.append(f"only {len(full)} types with all four kernels (target 45)")
+    by_type = {r["type"]: r for r in rows}
+    for moe in MOE:
+        row = by_type.get(moe, {})
+        if not (row.get("router_loss") and all(k in row.get("patched", []) for k in FOUR)):
+            failures.append(f"{moe}: router loss off or a kernel not patched")
+    return failures
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=2)
@@ -194,13 +233,23 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
     parser.add_argument("--markdown", type=Path, default=ROOT / "docs" / "kernel-coverage.md")
     parser.add_argument("--no-markdown", action="store_true")
+    parser.add_argument("--check", action="store_true", help="also require the coverage targets")
+    parser.add_argument(
+        "--compare-docs", action="store_true", help="compare the table with --markdown instead of writing it"
+    )
     args = parser.parse_args()
+    if args.check and args.only:
+        parser.error("--check is for the full sweep: leave out --only")
     types = [t for t in args.only.split(",") if t] or causal_lm_types()
     start = time.perf_counter()
     rows = sweep(types, args.workers, args.timeout)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
-    if not args.no_markdown:
+    failures = target_failures(rows, causal_lm_types()) if args.check else []
+    if args.compare_docs:
+        if not args.markdown.is_file() or args.markdown.read_text() != markdown(rows):
+            failures.append(f"{args.markdown} is stale: run python scripts/kernel_coverage.py")
+    elif not args.no_markdown:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
         args.markdown.write_text(markdown(rows))
     built = [r for r in rows if r.get("built")]
@@ -212,7 +261,9 @@ def main() -> int:
     )
     for r in bad:
         print(f"  {r['type']}: {r.get('wrong') or r.get('crashed') or r.get('crash')}")
-    return 1 if bad else 0
+    for failure in failures:
+        print(f"  check: {failure}")
+    return 1 if bad or failures else 0
 
 
 if __name__ == "__main__":

@@ -44,13 +44,20 @@ def _steps(metrics: Path) -> list[dict]:
     return [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
 
 
-def test_bench_runs_both_variants_and_writes_report(tiny_recipe: Path, tmp_path: Path) -> None:
-    out = tmp_path / "bench"
+@pytest.fixture(scope="module")
+def cli_bench(tiny_recipe: Path, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """`liger bench` through the real command line, once: 1 warm-up + 2 measured steps per variant."""
+    out = tmp_path_factory.mktemp("cli-bench") / "bench"
     proc = subprocess.run(
         [sys.executable, "-m", "liger_cli", "bench", str(tiny_recipe), "--steps", "2", "--warmup", "1",
          "--out", str(out)],
-        capture_output=True, text=True, timeout=240,
+        capture_output=True, text=True, timeout=480,
     )  # fmt: skip
+    return proc, out
+
+
+def test_bench_runs_both_variants_and_writes_report(cli_bench) -> None:
+    proc, out = cli_bench
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((out / "bench.json").read_text())
     assert set(report["runs"]) == {"kernels_on", "kernels_off"}
@@ -79,20 +86,39 @@ def test_bench_runs_both_variants_and_writes_report(tiny_recipe: Path, tmp_path:
     assert (out / "bench.png").read_bytes()[:8] == PNG_MAGIC
 
 
-def test_disagreeing_first_losses_exit_1(tiny_recipe: Path, tmp_path: Path, monkeypatch) -> None:
+def test_disagreeing_first_losses_exit_1(cli_bench, tiny_recipe: Path, tmp_path: Path, monkeypatch) -> None:
     """A different seed for the kernels-off run gives different initial weights: a real disagreement.
-    Run as on a plain install (matplotlib is an extra): the chart is skipped with a one-line note."""
+    Run as on a plain install (matplotlib is an extra): the chart is skipped with a one-line note.
+    The kernels-on run is the one `liger bench` made above (same recipe, steps and warm-up), copied in;
+    the kernels-off run with seed 7 is trained here, in a fresh process as always."""
+    import shutil
+
+    compare_module = sys.modules["liger_cli.bench.compare"]  # the attribute `compare` is report.compare
+    _, made = cli_bench
+    real_run_variant, ran = compare_module.run_variant, []
+
+    def run_variant(recipe_path, overrides, variant, out_dir):
+        ran.append((variant, overrides))
+        if variant == "kernels_off":
+            return real_run_variant(recipe_path, overrides, variant, out_dir)
+        shutil.copytree(made / variant, out_dir / variant)
+        worker = json.loads((made / f"{variant}.worker.json").read_text())
+        return {"exit_code": 0, "wall_s": 1.0, "log": str(made / f"{variant}.log"), **worker}
+
+    monkeypatch.setattr(compare_module, "run_variant", run_variant)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now fails
     printed: list[str] = []
     code = bench(
         tiny_recipe,
         [],
-        steps=1,
-        warmup=0,
+        steps=2,
+        warmup=1,
         out_dir=tmp_path,
         off_overrides=["training.seed=7"],
         echo=printed.append,
     )
+    assert [variant for variant, _ in ran] == ["kernels_on", "kernels_off"]
+    assert "training.seed=7" in ran[1][1] and "training.seed=7" not in ran[0][1]  # the off run only
     assert code == 1
     assert "error: CORRECTNESS FAILURE: the first-step losses differ" in printed[-1]
     report = json.loads((tmp_path / "bench.json").read_text())
@@ -153,13 +179,14 @@ def test_cpu_memory_measure_sees_a_temporary_tensor() -> None:
     assert memory.peak() - base == pytest.approx(32, abs=4)
 
 
-def test_micro_benchmark_writes_csv_and_png(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "kernels.py"), "--kernels", "rms_norm", "--sizes", "small",
-         "--variants", "ours,eager", "--repeats", "1", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=180,
+def test_micro_benchmark_writes_csv_and_png(tmp_path: Path, capsys) -> None:
+    """bench/kernels.py's main, in this process; it measures each kernel in a fresh worker process of
+    the script, as on the command line."""
+    code = _kernels_module().main(
+        ["--kernels", "rms_norm", "--sizes", "small", "--variants", "ours,eager", "--repeats", "1",
+         "--out", str(tmp_path)]
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
+    assert code == 0, capsys.readouterr().err
     with (tmp_path / "kernels-cpu-float32.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert {(r["mode"], r["variant"]) for r in rows} == {

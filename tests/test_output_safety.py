@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -31,6 +30,8 @@ def one_line_error(proc) -> str:
 
 @pytest.fixture(scope="module")
 def finished_run(tiny_model_dir: Path, tmp_path_factory) -> Path:
+    """A finished 2-step run with overwrite: true, trained over an old run's folder (liger's marker and
+    a stale file in it): the overwrite replaces the old run once the new one starts."""
     root = tmp_path_factory.mktemp("finished")
     recipe = root / "r.yaml"
     out = root / "out"
@@ -43,6 +44,9 @@ def finished_run(tiny_model_dir: Path, tmp_path_factory) -> Path:
             logging="{every: 1}",
         )
     )
+    out.mkdir()
+    (out / ".liger-run").touch()  # what every run folder carries from its start
+    (out / "stale.txt").write_text("from the old run")
     proc = liger("train", str(recipe))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (out / "final" / "adapter_model.safetensors").is_file()
@@ -61,14 +65,8 @@ def test_overwrite_with_a_bad_data_row_keeps_the_previous_run(finished_run: Path
     assert snapshot(out) == before  # the final adapter included, byte for byte
 
 
-def test_overwrite_replaces_the_old_run_once_the_new_one_starts(finished_run: Path, tmp_path: Path) -> None:
-    copy = tmp_path / "r.yaml"
-    out = tmp_path / "out"
-    copy.write_text(finished_run.read_text().replace(str(finished_run.parent / "out"), str(out)))
-    shutil.copytree(finished_run.parent / "out", out)
-    (out / "stale.txt").write_text("from the old run")
-    proc = liger("train", str(copy))
-    assert proc.returncode == 0, proc.stderr[-2000:]
+def test_overwrite_replaces_the_old_run_once_the_new_one_starts(finished_run: Path) -> None:
+    out = finished_run.parent / "out"
     assert not (out / "stale.txt").exists() and (out / "final" / "adapter_model.safetensors").is_file()
 
 

@@ -61,7 +61,7 @@ cli.main()
 
 
 def run(driver: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", driver, *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-c", driver, *args], capture_output=True, text=True, timeout=600)
 
 
 def write_recipe(model_dir: Path, root: Path, name: str, **extra: str) -> Path:
@@ -76,14 +76,30 @@ def error_lines(proc: subprocess.CompletedProcess) -> list[str]:
     return [line for line in proc.stderr.splitlines() if line.startswith("error:")]
 
 
+def verified_run(model_dir: Path, root: Path, adapter: str) -> subprocess.CompletedProcess:
+    recipe = write_recipe(model_dir, root, adapter, adapter=f"{{type: {adapter}}}")
+    return run(TAMPER_DRIVER, str(recipe), "none")
+
+
+@pytest.fixture(scope="module")
+def lora_run(tiny_model_dir: Path, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """A LoRA run saved untouched: the merge test below merges it too."""
+    root = tmp_path_factory.mktemp("saved")
+    return verified_run(tiny_model_dir, root, "lora"), root / "lora"
+
+
 @pytest.mark.parametrize("adapter", ["lora", "none"])
-def test_a_run_reloads_its_final_output_and_says_verified(adapter, tiny_model_dir, tmp_path) -> None:
-    recipe = write_recipe(tiny_model_dir, tmp_path, adapter, adapter=f"{{type: {adapter}}}")
-    proc = run(TAMPER_DRIVER, str(recipe), "none")
+def test_a_run_reloads_its_final_output_and_says_verified(
+    adapter, lora_run, tiny_model_dir, tmp_path
+) -> None:
+    if adapter == "lora":
+        proc, out = lora_run
+    else:
+        proc, out = verified_run(tiny_model_dir, tmp_path, adapter), tmp_path / adapter
     assert proc.returncode == 0, proc.stderr[-3000:]
     verdict = [line for line in proc.stdout.splitlines() if line.startswith("final model verified")]
     assert len(verdict) == 1 and "every tensor equal" in verdict[0], proc.stdout[-2000:]
-    assert (tmp_path / adapter / "final_metrics.json").is_file()
+    assert (out / "final_metrics.json").is_file()
 
 
 @pytest.mark.parametrize(
@@ -119,14 +135,14 @@ def test_verification_can_be_turned_off(tiny_model_dir, tmp_path) -> None:
     assert "final model not verified (output.verify: false)" in proc.stdout
 
 
-def test_a_merge_that_changes_the_logits_writes_nothing(tiny_model_dir, tmp_path) -> None:
-    recipe = write_recipe(tiny_model_dir, tmp_path, "run")
-    assert run(TAMPER_DRIVER, str(recipe), "none").returncode == 0
+def test_a_merge_that_changes_the_logits_writes_nothing(lora_run, tiny_model_dir, tmp_path) -> None:
+    proc, out = lora_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
     merged = tmp_path / "merged"
-    proc = run(MERGE_NOTHING_DRIVER, str(tmp_path / "run"), str(merged))
+    proc = run(MERGE_NOTHING_DRIVER, str(out), str(merged))
     assert proc.returncode == 1, proc.stderr[-3000:]
     lines = error_lines(proc)
     assert len(lines) == 1 and "does not compute what base + adapter computes" in lines[0], proc.stderr
     assert not merged.exists() and not list(tmp_path.glob(".merged.tmp-*"))
-    config = json.loads((tmp_path / "run" / "final" / "adapter_config.json").read_text())
+    config = json.loads((out / "final" / "adapter_config.json").read_text())
     assert Path(config["base_model_name_or_path"]) == tiny_model_dir

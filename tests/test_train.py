@@ -30,7 +30,7 @@ def recipe_text(model_dir: Path, out: Path, **extra: str) -> str:
     return "".join(f"{k}: {v}\n" for k, v in sections.items())
 
 
-def liger(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def liger(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "liger_cli", *args], capture_output=True, text=True, timeout=timeout
     )
@@ -43,7 +43,7 @@ from liger_cli.run import checkpoint, train
 from liger_cli.plan import build_plan
 from liger_cli.recipe import load_recipe
 
-recipe = load_recipe(sys.argv[1])
+recipe = load_recipe(sys.argv[1], sys.argv[4:])
 mode, at = sys.argv[2], int(sys.argv[3])
 real_save = checkpoint.save_checkpoint
 
@@ -61,14 +61,13 @@ train.run(recipe, build_plan(recipe))
 """
 
 
-def crash(recipe: Path, mode: str, at: int) -> int:
-    proc = subprocess.run(
-        [sys.executable, "-c", CRASH_DRIVER, str(recipe), mode, str(at)],
+def crash(recipe: Path, mode: str, at: int, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", CRASH_DRIVER, str(recipe), mode, str(at), *overrides],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
     )
-    return proc.returncode
 
 
 def adapter_weights(run: Path) -> dict[str, torch.Tensor]:
@@ -129,36 +128,29 @@ def test_adapter_loads_in_peft_and_reproduces_eval_loss(uninterrupted: Path, tin
     assert total / tokens == pytest.approx(expected, rel=1e-5)
 
 
-def test_resume_after_a_crash_is_bit_identical(
+def test_killed_during_save_then_stopped_after_save_resumes_bit_identical(
     uninterrupted: Path, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    recipe = tmp_path / "r.yaml"
-    recipe.write_text(recipe_text(tiny_model_dir, tmp_path / "out"))
-    assert crash(recipe, "stop-after-save", 4) == 17
-    assert not (tmp_path / "out" / "final").exists()
-    proc = liger("train", str(recipe), "--set", "output.resume=auto")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "resumed from" in proc.stdout and "step-4" in proc.stdout
-    a, b = adapter_weights(uninterrupted), adapter_weights(tmp_path / "out")
-    assert a.keys() == b.keys()
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
-
-
-def test_kill_during_save_keeps_the_previous_checkpoint(
-    uninterrupted: Path, tiny_model_dir: Path, tmp_path: Path
-) -> None:
+    """One run, two crashes: SIGKILL while step 4 is being saved (the previous checkpoint, step 2, is
+    kept and the half-written save never looks complete), then resumed from step 2 and stopped
+    abruptly right after the complete step-4 save; resumed again by `liger train` from step 4. The
+    final adapter equals the uninterrupted run's bit for bit, so both resumes continued exactly."""
     recipe = tmp_path / "r.yaml"
     out = tmp_path / "out"
     recipe.write_text(recipe_text(tiny_model_dir, out))
-    assert crash(recipe, "kill-during-save", 4) == -9
+    assert crash(recipe, "kill-during-save", 4).returncode == -9
     assert (out / "checkpoints" / ".tmp-step-4").is_dir()  # the half-written save is there...
     assert not (out / "checkpoints" / "step-4").exists()  # ...but never looks complete
+    stopped = crash(recipe, "stop-after-save", 4, "output.resume=auto")
+    assert stopped.returncode == 17, stopped.stderr[-3000:]
+    assert "resumed from" in stopped.stdout and "step-2" in stopped.stdout
+    assert not (out / "checkpoints" / ".tmp-step-4").exists()
+    assert not (out / "final").exists()
     proc = liger("train", str(recipe), "--set", "output.resume=auto")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "step-2" in proc.stdout
-    assert not (out / "checkpoints" / ".tmp-step-4").exists()
+    assert "resumed from" in proc.stdout and "step-4" in proc.stdout
     a, b = adapter_weights(uninterrupted), adapter_weights(out)
+    assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), key
 
