@@ -1,4 +1,6 @@
-"""`liger --help` starts about as fast as typer itself (numbers: `python bench/startup.py`)."""
+"""What each command imports before it works: `liger --help` only its CLI layer (its speed against
+typer's own import is measured, not asserted: `python bench/startup.py`), `liger data` and `liger
+train` only the stages they use."""
 
 from __future__ import annotations
 
@@ -8,20 +10,26 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# The target is 2x (bench/startup.py reports it); the test allows 3x so that a loaded 2-core machine
-# cannot fail it, while importing torch or transformers for --help (5x and more) still does.
-LIMIT = 3.0
+# What made --help slow when it happened (5x typer's import and more): any of these at startup.
+HEAVY = ("torch", "transformers", "peft", "accelerate", "datasets", "triton", "numpy", "liger_kernels")
 
 
-def test_help_starts_within_a_small_multiple_of_importing_typer() -> None:
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "startup.py"), "--runs", "5", "--json"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+def test_help_imports_the_cli_layer_and_nothing_heavy(tmp_path) -> None:
+    """`liger --help` (and a subcommand's) imports typer and liger's CLI, nothing of torch, transformers
+    or the stages: the cause of a slow --help, checked without a clock."""
+    for argv in (["-m", "liger_cli", "--help"], ["-m", "liger_cli", "train", "--help"]):
+        heavy = {m for m in _imported(argv, tmp_path) if m.split(".")[0] in HEAVY}
+        assert heavy == set(), (argv, sorted(heavy))
+
+
+def test_the_startup_benchmark_measures_both_commands() -> None:
+    """bench/startup.py (the ratio quoted in the docs) runs and reports both timings; no limit asserted."""
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "startup.py"), "--runs", "2", "--json"],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
-    assert result["best_s"]["typer_import"] > 0 and len(result["all_s"]["liger_help"]) == 5
-    assert result["ratio"] < LIMIT, result
+    assert result["best_s"]["typer_import"] > 0 and len(result["all_s"]["liger_help"]) == 2
+    assert result["ratio"] == result["best_s"]["liger_help"] / result["best_s"]["typer_import"]
 
 
 def _imported(argv: list[str], cwd: Path) -> set[str]:

@@ -8,7 +8,6 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -75,9 +74,7 @@ def write_recipe(tmp_path: Path, model_dir: Path, packing: bool = True, **extra:
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma", "qwen3", "phi3", "mixtral"])
 def test_families_that_honour_position_ids_pack_and_accumulate_exactly(family: str) -> None:
     config = AutoConfig.for_model(family)  # imports transformers' model modules: seconds on a busy machine
-    start = time.perf_counter()
     packing, accumulation = check_pipeline(config, ALL_ON, packing=True, grad_accum=4)
-    assert time.perf_counter() - start < 5  # ~0.05 s on a quiet machine, after the imports
     assert packing.error is None and accumulation.error is None
     assert packing.line == (
         "packing check: packed rows vs each example alone on a tiny twin (sdpa): "
