@@ -106,7 +106,7 @@ def test_every_way_of_naming_the_model_gives_the_same_completions(
         "adapter": [base, "--adapter", str(run / "final"), "--format", "instruction"],
         "merged": [str(merged), "--format", "instruction"],
         "step-2": [str(run / "checkpoints" / "step-2")],
-        "kernels": [str(run), "--kernels"],  # our kernels, proved on the twin first; last, patching nothing else
+        "kernels": [str(run), "--kernels"],  # proved on the twin first; last: patches nothing else
     }
     found = {}
     for name, args in names.items():
