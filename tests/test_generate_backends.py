@@ -59,7 +59,8 @@ def reference(assets) -> dict:  # noqa: F811
     outs = {"lora": root / "lora", "full": root / "full"}
     recipes = [sampled(assets, outs["lora"]), sampled(assets, outs["full"], adapter="none")]
     generation = write_recipe(assets, root / "gen", adapter="none")
-    run_driver({"cases": [{"recipe": str(r)} for r in recipes], "generation": str(generation)}, root, nproc=1)
+    spec = {"cases": [{"recipe": str(r)} for r in recipes], "generation": str(generation)}
+    run_driver(spec, root, nproc=1, timeout=900)  # generous: the machine may be shared
     return {**outs, "generation": json.loads(generation.with_suffix(".generation.json").read_text())}
 
 

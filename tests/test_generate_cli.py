@@ -41,7 +41,7 @@ def run(tiny_model_dir: Path, tmp_path_factory) -> Path:
         training="{max_steps: 4, micro_batch_size: 4, lr: 5.0e-3, seed: 3, eval_every: 2, eval_samples: 3}",
         output=f"{{dir: {out}, save_every: 2, overwrite: true}}",
     ))  # fmt: skip
-    proc = liger("train", str(recipe))
+    proc = liger("train", str(recipe), timeout=900)  # generous: the machine may be shared
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
