@@ -4,7 +4,8 @@
 # Why: CI runs on the versions pinned in constraints.txt; users install whatever is newest. A new
 # transformers can move what our patches read (5.24 wrapped every attention forward in a decorator,
 # which hid the RoPE call from our patch). This script installs the newest releases, past the upper
-# bounds pyproject.toml declares, and runs the kernel sweep and the fast tests on them:
+# bounds pyproject.toml declares, and runs the kernel sweeps (causal LMs, then every vision-language
+# family's wrap plan and kernels) and the fast tests on them:
 #
 #   bash scripts/compat.sh            # exit 0: no kernel silently wrong or crashing, every test passed
 #
@@ -60,6 +61,8 @@ status=0
 echo "compat: kernel sweep (scripts/kernel_coverage.py)"
 "$PY" scripts/kernel_coverage.py --check --json "$OUT/kernel-coverage.json" --markdown "$OUT/kernel-coverage.md" \
   | tee "$OUT/sweep.txt" || status=1
+echo "compat: vision-language sweep (scripts/vlm_sweep.py: every family's wrap plan and kernels)"
+"$PY" scripts/vlm_sweep.py | tee "$OUT/vlm-sweep.txt" || status=1
 echo "compat: fast tests"
 "$PY" -m pytest -q -p no:cacheprovider "${FAST_TESTS[@]}" 2>&1 | tee "$OUT/tests.txt" || status=1
 
@@ -81,6 +84,9 @@ tests=$(grep -E "^=*.*[0-9]+ (passed|failed|error)" "$OUT/tests.txt" | tail -n 1
   echo
   echo "Kernel sweep: $sweep"
   grep "^  " "$OUT/sweep.txt" | sed 's/^  /- /' || true
+  echo
+  echo "Vision-language sweep: $(tail -n 1 "$OUT/vlm-sweep.txt")"
+  grep "^WRONG " "$OUT/vlm-sweep.txt" | sed 's/^/- /' || true
   echo
   echo "Fast tests (${#FAST_TESTS[@]} files): $tests"
 } >docs/compat.md

@@ -5,11 +5,17 @@ write the samples (and losses) the 1-process run writes, so generating mid-run n
 changes training; the engine called through `Backend.generation` makes as many all-gathers for 8 new
 tokens as for 2 (parameters gathered once per call, not per token), samples what 1 process samples,
 and the model trains on afterwards.
+
+The four backends share ONE 2-process launch (tests/generation_driver.py: each backend's recipes, then its
+generation check; ZeRO-3 last), and each backend's test reads its part of it.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +23,8 @@ from test_distributed import (  # noqa: F401 - `assets` is a fixture
     STEPS,
     assert_same_run,
     assets,
+    child_env,
+    free_port,
     losses,
     run_driver,
     write_recipe,
@@ -25,6 +33,8 @@ from test_distributed import (  # noqa: F401 - `assets` is a fixture
 from liger_cli.run.samples import SAMPLES_FILE
 
 QUICK_EVAL = Path(__file__).resolve().parents[1] / "recipes" / "quickstart" / "data" / "eval.jsonl"
+GENERATION_DRIVER = Path(__file__).resolve().parent / "generation_driver.py"
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 BACKENDS = {  # name -> (backend, extra recipe keys)
     "ddp": ("ddp", {}),
     "fsdp1": ("fsdp1", {}),
@@ -49,7 +59,8 @@ def reference(assets) -> dict:  # noqa: F811
     outs = {"lora": root / "lora", "full": root / "full"}
     recipes = [sampled(assets, outs["lora"]), sampled(assets, outs["full"], adapter="none")]
     generation = write_recipe(assets, root / "gen", adapter="none")
-    run_driver({"cases": [{"recipe": str(r)} for r in recipes], "generation": str(generation)}, root, nproc=1)
+    spec = {"cases": [{"recipe": str(r)} for r in recipes], "generation": str(generation)}
+    run_driver(spec, root, nproc=1, timeout=900)  # generous: the machine may be shared
     return {**outs, "generation": json.loads(generation.with_suffix(".generation.json").read_text())}
 
 
@@ -57,33 +68,53 @@ def samples(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / SAMPLES_FILE).read_text().splitlines()]
 
 
-@pytest.mark.timeout(400)
+@pytest.fixture(scope="module")
+def launched(assets, reference, tmp_path_factory) -> dict:  # noqa: F811
+    """Each backend's LoRA and full runs with samples, and its generation recipe, in one 2-process
+    launch (DeepSpeed's ZeRO-3 last, where it is installed); per backend: its outputs and its stdout."""
+    root = tmp_path_factory.mktemp("gen-backends")
+    names = [name for name in BACKENDS if name != "zero3" or HAS_DEEPSPEED]
+    found, spec = {}, {"backends": []}
+    for name in names:
+        backend, over = BACKENDS[name]
+        folder = root / name
+        folder.mkdir()
+        outs = {"lora": folder / "lora", "full": folder / "full"}
+        cases = [
+            sampled(assets, outs["lora"], backend, **over),
+            sampled(assets, outs["full"], backend, "none", **over),
+        ]
+        generation = write_recipe(assets, folder / "gen", backend, "none", **over)
+        spec["backends"].append(
+            {"name": name, "cases": [str(c) for c in cases], "generation": str(generation)}
+        )
+        found[name] = {"outs": outs, "generation": generation.with_suffix(".generation.json")}
+    (root / "spec.json").write_text(json.dumps(spec))
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+            str(free_port()), str(GENERATION_DRIVER), str(root / "spec.json")]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=1500, env=child_env(), cwd=root)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    parts = proc.stdout.split("=== backend ")[1:]
+    assert [part.split("\n", 1)[0] for part in parts] == names, proc.stdout[-3000:]
+    for name, part in zip(names, parts, strict=True):
+        found[name]["stdout"] = part
+    return found
+
+
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("name", list(BACKENDS))
-def test_generation_under_each_backend_is_the_one_process_generation(
-    name,
-    assets,  # noqa: F811
-    reference,
-    tmp_path,
-) -> None:
+def test_generation_under_each_backend_is_the_one_process_generation(name, reference, launched) -> None:
     if name == "zero3":
         pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (scripts/setup.sh installs it)")
-    backend, over = BACKENDS[name]
-    outs = {"lora": tmp_path / "lora", "full": tmp_path / "full"}
-    cases = [
-        sampled(assets, outs["lora"], backend, **over),
-        sampled(assets, outs["full"], backend, "none", **over),
-    ]
-    generation = write_recipe(assets, tmp_path / "gen", backend, "none", **over)
-    spec = {"cases": [{"recipe": str(r)} for r in cases], "generation": str(generation)}
-    proc = run_driver(spec, tmp_path, nproc=2, timeout=360)
+    outs, stdout = launched[name]["outs"], launched[name]["stdout"]
     for kind, out in outs.items():
         assert_same_run(out, reference[kind])
         assert len(losses(out)) == STEPS
         got, want = samples(out), samples(reference[kind])
         assert [r["step"] for r in got] == [0, 0, 0, 2, 2, 2, 4, 4, 4]
         assert got == want, (kind, got, want)
-    assert proc.stdout.count("sample at step") == 6  # printed once (the main process), at each evaluation
-    found = json.loads(generation.with_suffix(".generation.json").read_text())
+    assert stdout.count("sample at step") == 6  # printed once (the main process), at each evaluation
+    found = json.loads(launched[name]["generation"].read_text())
     assert found["completions"] == reference["generation"]["completions"]
     two, eight = found["gathers"]
     if name != "ddp":  # the sharded backends gather; the count does not grow with the tokens

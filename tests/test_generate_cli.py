@@ -1,5 +1,6 @@
-"""`liger generate` and `liger chat` on a real run's output, as a user runs them (subprocesses, a real
-pseudo-terminal for chat, `accelerate launch` for 2 processes).
+"""`liger generate` and `liger chat` on a real run's output, as a user runs them: a real `liger generate`
+process, a real pseudo-terminal for chat, `accelerate launch` for 2 processes; the other commands run in
+this process through the same Typer app (`invoke`: no 5-8 s interpreter start each).
 
 Every way of naming the model (the run folder, its final/, a checkpoint, the base with --adapter,
 `liger merge`'s output) gives the same greedy completions; 2 processes write the file 1 process
@@ -22,6 +23,9 @@ import pytest
 from test_distributed import child_env, free_port
 from test_output_safety import one_line_error
 from test_train import QUICK_DATA, liger, recipe_text
+from typer.testing import CliRunner
+
+from liger_cli import cli
 
 PROMPTS = [json.loads(line) for line in (QUICK_DATA / "eval.jsonl").read_text().splitlines()[:5]]
 
@@ -37,7 +41,7 @@ def run(tiny_model_dir: Path, tmp_path_factory) -> Path:
         training="{max_steps: 4, micro_batch_size: 4, lr: 5.0e-3, seed: 3, eval_every: 2, eval_samples: 3}",
         output=f"{{dir: {out}, save_every: 2, overwrite: true}}",
     ))  # fmt: skip
-    proc = liger("train", str(recipe))
+    proc = liger("train", str(recipe), timeout=900)  # generous: the machine may be shared
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
@@ -54,7 +58,18 @@ def generated(out: Path) -> list[dict]:
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
+def invoke(*args: str) -> subprocess.CompletedProcess:
+    """A liger command run in this process (the CLI's own parsing, error handling and exit code), shaped
+    as `liger(...)`'s result so the same checks read it: stdout and stderr apart. An exception the
+    command did not turn into an exit code is raised here, traceback and all."""
+    result = CliRunner().invoke(cli.app, list(args))
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return subprocess.CompletedProcess(list(args), result.exit_code, result.stdout, result.stderr)
+
+
 def test_generate_writes_each_row_with_its_completion(run: Path, prompts: Path, tmp_path: Path) -> None:
+    """The one `liger generate` of this file run as its own process, as a user starts it."""
     out = tmp_path / "out.jsonl"
     proc = liger("generate", str(run), "--prompts", str(prompts), "--out", str(out), "--logprobs",
                  "--max-new-tokens", "12", "--batch-size", "4")  # fmt: skip
@@ -79,23 +94,24 @@ def test_every_way_of_naming_the_model_gives_the_same_completions(
     run: Path, prompts: Path, tmp_path: Path
 ) -> None:
     """The run folder, final/, the last checkpoint (the same weights), the base with --adapter, the merged
-    model, our kernels patched in: the same greedy completions. An earlier checkpoint is another model."""
+    model, our kernels patched in: the same greedy completions. An earlier checkpoint is another model.
+    In this process: each name is the same command line, parsed by the same app."""
     base = json.loads((run / "final" / "adapter_config.json").read_text())["base_model_name_or_path"]
     merged = tmp_path / "merged"
-    assert liger("merge", str(run), str(merged)).returncode == 0
+    assert invoke("merge", str(run), str(merged)).returncode == 0
     names = {
         "run": [str(run)],
         "final": [str(run / "final")],
         "step-4": [str(run / "checkpoints" / "step-4")],
         "adapter": [base, "--adapter", str(run / "final"), "--format", "instruction"],
         "merged": [str(merged), "--format", "instruction"],
-        "kernels": [str(run), "--kernels"],  # our kernels, proved on the twin first
         "step-2": [str(run / "checkpoints" / "step-2")],
+        "kernels": [str(run), "--kernels"],  # proved on the twin first; last: patches nothing else
     }
     found = {}
     for name, args in names.items():
         out = tmp_path / f"{name}.jsonl"
-        proc = liger(
+        proc = invoke(
             "generate", *args, "--prompts", str(prompts), "--out", str(out), "--max-new-tokens", "10"
         )
         assert proc.returncode == 0, (name, proc.stderr[-3000:])
@@ -113,11 +129,12 @@ def test_every_way_of_naming_the_model_gives_the_same_completions(
 
 def test_two_processes_write_what_one_writes(run: Path, prompts: Path, tmp_path: Path) -> None:
     """Sampled, 2 completions per prompt, batches of 3: dealt over 2 processes by `accelerate launch`
-    (on a CPU its multi-GPU launcher with ACCELERATE_USE_CPU: `--cpu` alone starts one process)."""
+    (on a CPU its multi-GPU launcher with ACCELERATE_USE_CPU: `--cpu` alone starts one process); the
+    1-process file is written in this process."""
     options = ["--prompts", str(prompts), "--temperature", "1.0", "--top-p", "0.9", "--seed", "7",
                "--num-return-sequences", "2", "--batch-size", "3", "--max-new-tokens", "8", "--logprobs"]  # fmt: skip
     one = tmp_path / "one.jsonl"
-    assert liger("generate", str(run), *options, "--out", str(one)).returncode == 0
+    assert invoke("generate", str(run), *options, "--out", str(one)).returncode == 0
     two = tmp_path / "two.jsonl"
     argv = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
             "--main_process_port", str(free_port()), "-m", "liger_cli", "generate", str(run), *options,
@@ -150,6 +167,8 @@ def test_eval_samples_are_written_at_each_evaluation(run: Path) -> None:
 
 
 def test_user_mistakes_are_one_line_and_write_nothing(run: Path, prompts: Path, tmp_path: Path) -> None:
+    """In this process: the error line, exit 2 and no file come from the command itself (stderr is kept
+    apart from stdout as a process's is)."""
     out = tmp_path / "out.jsonl"
     unsaved = tmp_path / "unsaved"
     unsaved.mkdir()
@@ -188,10 +207,10 @@ def test_user_mistakes_are_one_line_and_write_nothing(run: Path, prompts: Path, 
         "no such run or model folder": [str(tmp_path / "nowhere"), "--prompts", str(prompts)],
     }
     for expected, args in cases.items():
-        line = one_line_error(liger("generate", *args, "--out", str(out)))
+        line = one_line_error(invoke("generate", *args, "--out", str(out)))
         assert expected in line, (expected, line)
         assert not out.exists() and sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
-    line = one_line_error(liger("generate", str(run), "--prompts", str(prompts), "--out", str(tmp_path)))
+    line = one_line_error(invoke("generate", str(run), "--prompts", str(prompts), "--out", str(tmp_path)))
     assert "is a folder" in line
 
 
@@ -234,9 +253,10 @@ def reply(terminal: Terminal) -> str:
 
 
 def generate_one(run: Path, row: dict, tmp_path: Path, *args: str) -> str:
+    """`liger generate`'s completion of one row (in this process)."""
     path, out = tmp_path / "one.jsonl", tmp_path / "one-out.jsonl"
     path.write_text(json.dumps(row) + "\n")
-    proc = liger(
+    proc = invoke(
         "generate", str(run), "--prompts", str(path), "--out", str(out), "--max-new-tokens", "10", *args
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -7,7 +7,7 @@ one rank's micro-batch holds images while the other's holds none: every rank mus
 vision tower (a sharded tower's gathers are collective), and the eval loss and the eval samples
 (greedy completions, an image prompt on one rank and a text prompt on the other) must equal one
 process's. A run resumed at step 2 repeats the uninterrupted one: bit for bit on one process, within
-1e-6 under FSDP-1. Three launches in all (each costs 10-20 s of imports), each under a timeout.
+1e-6 under FSDP-1. Two launches in all (each costs 10-20 s of imports), each under a timeout.
 """
 
 from __future__ import annotations
@@ -89,8 +89,8 @@ def vlm_recipe(assets: dict, out: Path, backend: str = "none", adapter: str = "l
 
 @pytest.fixture(scope="module")
 def runs(vlm_assets) -> dict:
-    """The 1-process references (and a resume), then DDP, FSDP-1 (and its resume) and FSDP-2 in one
-    2-process launch, then ZeRO-3 in another (DeepSpeed keeps its own state)."""
+    """The 1-process references (and a resume), then DDP, FSDP-1 (and its resume), FSDP-2 and ZeRO-3 in
+    one 2-process launch: ZeRO-3 last, as DeepSpeed keeps its own state (nothing runs after it)."""
     root = vlm_assets["root"]
     outs = {name: root / name for name in ("ref-lora", "ref-full", "resumed-1", *CASES, "resumed-fsdp1")}
     save = {"output__save_every": 2}
@@ -101,20 +101,21 @@ def runs(vlm_assets) -> dict:
             vlm_assets, outs["resumed-1"], output__resume=str(outs["ref-lora"] / "checkpoints" / "step-2")
         ),
     ]
-    stdout = {"one": run_driver({"cases": [{"recipe": str(r)} for r in refs]}, root, nproc=1).stdout}
+    stdout = {
+        "one": run_driver({"cases": [{"recipe": str(r)} for r in refs]}, root, nproc=1, timeout=900).stdout
+    }
     two = [vlm_recipe(vlm_assets, outs[name], backend, adapter, **(save if name == "fsdp1-lora" else {}))
            for name, (backend, adapter) in CASES.items() if backend != "deepspeed"]  # fmt: skip
     resume = str(outs["fsdp1-lora"] / "checkpoints" / "step-2")
     two.append(vlm_recipe(vlm_assets, outs["resumed-fsdp1"], "fsdp1", output__resume=resume))
-    (root / "two").mkdir()
-    stdout["two"] = run_driver(
-        {"cases": [{"recipe": str(r)} for r in two]}, root / "two", nproc=2, timeout=420
-    ).stdout
     if HAS_DEEPSPEED:
         zero = vlm_recipe(vlm_assets, outs["zero3-full"], "deepspeed", "none", distributed__zero_stage=3)
-        (root / "zero3").mkdir()
-        stdout["zero3"] = run_driver({"cases": [{"recipe": str(zero)}]}, root / "zero3", nproc=2).stdout
-    return outs | {"stdout": stdout}
+        two.append(zero)
+    (root / "two").mkdir()
+    stdout["two"] = run_driver(
+        {"cases": [{"recipe": str(r)} for r in two]}, root / "two", nproc=2, timeout=900
+    ).stdout
+    return outs | {"stdout": stdout, "launched": len(two)}
 
 
 def test_the_data_puts_pictures_on_one_rank_and_text_on_the_other(vlm_assets) -> None:
@@ -128,7 +129,7 @@ def test_the_data_puts_pictures_on_one_rank_and_text_on_the_other(vlm_assets) ->
     assert [{EVAL_KINDS[i] for i in share} for share in shares] == [{"image"}, {"text"}]
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1200)
 @pytest.mark.parametrize("name", CASES)
 def test_two_processes_train_the_one_process_vlm(name: str, runs) -> None:
     backend, adapter = CASES[name]
@@ -152,12 +153,12 @@ def test_two_processes_train_the_one_process_vlm(name: str, runs) -> None:
     assert "vision tower (model.vision_tower): frozen" in plan
     trains = "full (peft modules_to_save)" if adapter == "lora" else "full"
     assert f"projector (model.multi_modal_projector): {trains}" in plan
-    stdout = runs["stdout"]["zero3" if backend == "deepspeed" else "two"]
+    stdout = runs["stdout"]["two"]
     verified = [line for line in stdout.splitlines() if line.startswith("final model verified")]
-    assert len(verified) == (1 if backend == "deepspeed" else 4), stdout[-3000:]  # every case reloaded final/
+    assert len(verified) == runs["launched"], stdout[-3000:]  # every case of the launch reloaded final/
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1200)
 @pytest.mark.parametrize("name", CASES)
 def test_eval_with_pictures_on_one_rank_equals_one_process(name: str, runs) -> None:
     """Eval loss and eval samples (step 0 and the end) over picture and text rows spread unevenly."""
@@ -173,7 +174,7 @@ def test_eval_with_pictures_on_one_rank_equals_one_process(name: str, runs) -> N
     assert len(got) == 8 and [r["completion"] for r in got] == [r["completion"] for r in want]
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1200)
 def test_a_resumed_vlm_run_repeats_the_uninterrupted_one(runs) -> None:
     """Resumed at step 2: the same image batches in the same order, so the same steps 3-4 and weights."""
     for resumed, whole, exact in (("resumed-1", "ref-lora", True), ("resumed-fsdp1", "fsdp1-lora", False)):

@@ -16,8 +16,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
+from typer.testing import CliRunner
 from vlm_models import IMAGE_RUN_DRIVER, image_batch, save_tiny_vlm
 
+from liger_cli import cli
 from liger_cli.errors import UserError
 from liger_cli.model import add_adapter, build_meta_model_for, load_base_model
 from liger_cli.model.vision import projectors, vision_tower
@@ -206,11 +208,10 @@ def test_vision_keys_where_they_cannot_apply_are_errors(tiny_model_dir, vlm_dirs
             )
         )
     text_model = write_recipe(tmp_path, f"{{path: {tiny_model_dir}, train_projector: true}}", "text")
-    proc = subprocess.run([sys.executable, "-m", "liger_cli", "train", str(text_model), "--dry-run"],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "no vision tower: remove them" in lines[0] and "Traceback" not in proc.stderr
+    result = CliRunner().invoke(cli.app, ["train", str(text_model), "--dry-run"])  # the CLI, in this process
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output[-2000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "no vision tower: remove them" in lines[0] and "Traceback" not in result.stderr
 
 
 # --- the forward -------------------------------------------------------------------------------------
@@ -285,27 +286,38 @@ def test_a_text_models_plan_has_no_trains_row(tiny_model_dir, tmp_path) -> None:
 # --- runs on image batches ----------------------------------------------------------------------------
 
 
-def train_on_images(recipe: Path) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [sys.executable, "-c", IMAGE_RUN_DRIVER, str(recipe), str(TESTS)], capture_output=True, text=True,
-        timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
-
-
-def image_run(root: Path, model_dir: Path, name: str, model: str, adapter: str) -> tuple[Path, dict, set]:
-    """A 6-step run of the real loop on image batches; its folder, trained state and trainable names."""
+def image_recipe(root: Path, model_dir: Path, name: str, model: str, adapter: str) -> Path:
+    """A 6-step run of the real loop on image batches (`IMAGE_RUN_DRIVER`)."""
     data = (f"{{train: {QUICK_DATA / 'train.jsonl'}, eval: {QUICK_DATA / 'eval.jsonl'}, format: instruction, "
             "max_seq_len: 48}")  # fmt: skip
-    recipe = write_recipe(
+    return write_recipe(
         root, f"{{path: {model_dir}, {model}}}" if model else f"{{path: {model_dir}}}", name,
         adapter=adapter, data=data, logging="{every: 1}",
         training="{max_steps: 6, micro_batch_size: 4, grad_accum: 2, lr: 2.0e-2, eval_every: 3, seed: 3}",
     )  # fmt: skip
-    proc = train_on_images(recipe)
-    assert "final model verified" in proc.stdout, proc.stdout[-2000:]  # the probe carried its images
-    out = root / name
+
+
+@pytest.fixture(scope="module")
+def image_runs(vlm_dirs, tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """Qwen2-VL fully fine-tuned and LLaVA with LoRA + its projector, both on image batches, trained one
+    after the other in ONE driver process (one interpreter start): each run's folder and the output."""
+    root = tmp_path_factory.mktemp("image-runs")
+    recipes = {
+        "full": image_recipe(root, vlm_dirs["qwen2_vl"], "full", "", "{type: none}"),
+        "lora": image_recipe(root, vlm_dirs["llava"], "lora", "train_projector: true", "{type: lora, r: 4, alpha: 8}"),
+    }  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", IMAGE_RUN_DRIVER, str(TESTS), *map(str, recipes.values())], capture_output=True,
+        text=True, timeout=1200,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    verified = [line for line in proc.stdout.splitlines() if line.startswith("final model verified")]
+    assert len(verified) == len(recipes), proc.stdout[-2000:]  # each run's probe carried its images
+    return {name: root / name for name in recipes}
+
+
+def image_run(out: Path) -> tuple[Path, dict, set]:
+    """A run's folder, trained state and trainable names; its 6 losses went down."""
     losses = [
         r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r
     ]
@@ -322,9 +334,10 @@ def loaded_state(folder: Path) -> dict[str, torch.Tensor]:
     return AutoModelForImageTextToText.from_pretrained(folder).state_dict()
 
 
-def test_full_fine_tuning_on_image_batches_leaves_the_tower_bit_identical(vlm_dirs, tmp_path) -> None:
+@pytest.mark.timeout(1800)  # the first to ask for `image_runs`: both runs (generous: a shared machine)
+def test_full_fine_tuning_on_image_batches_leaves_the_tower_bit_identical(vlm_dirs, image_runs) -> None:
     base = loaded_state(vlm_dirs["qwen2_vl"])
-    out, trained, trainable = image_run(tmp_path, vlm_dirs["qwen2_vl"], "full", "", "{type: none}")
+    out, trained, trainable = image_run(image_runs["full"])
     plan = (out / "plan.txt").read_text()
     assert (
         "trains              vision tower (model.visual): frozen; projector (model.visual.merger): full"
@@ -339,16 +352,17 @@ def test_full_fine_tuning_on_image_batches_leaves_the_tower_bit_identical(vlm_di
         assert torch.equal(final[name], trained[name]), name
 
 
+@pytest.mark.timeout(1800)
 def test_lora_with_projector_on_image_batches_then_merge_gives_the_adapters_logits(
-    vlm_dirs, tmp_path
+    vlm_dirs, image_runs, tmp_path
 ) -> None:
+    """The group's real `liger merge` process."""
     from peft import PeftModel
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     folder = vlm_dirs["llava"]
     base = loaded_state(folder)
-    lora = "{type: lora, r: 4, alpha: 8}"
-    out, trained, trainable = image_run(tmp_path, folder, "lora", "train_projector: true", lora)
+    out, trained, trainable = image_run(image_runs["lora"])
     for name, tensor in trained.items():  # every frozen weight bit-identical, every trainable one changed
         start = name.removeprefix("base_model.model.")
         for wrapper in (".base_layer", ".original_module", ".modules_to_save.default"):

@@ -1,9 +1,12 @@
-"""Wrap plans of vision-language models: every image-text-to-text family of the installed transformers,
-shrunk from its own config class, saved as a config.json and planned by `inspect-wrap` on the meta device.
+"""Wrap plans of vision-language models: image-text-to-text families of the installed transformers,
+shrunk from their own config class, saved as a config.json and planned by `inspect-wrap` on the meta device.
 
 A plan is wrong when a decoder layer or a vision block is not a unit of its own, a wrap class names a class
 the model lacks, the units do not cover the model, or (FSDP-1) the frozen vision tower shares a unit with
 trainable parameters. Families that cannot be built tiny are listed with the reason.
+
+The test plans one family for each path through the planner (`CODE_PATHS`) and the families named in the
+docs; `python scripts/vlm_sweep.py` (run by scripts/compat.sh) plans every family with the same checks.
 """
 
 from __future__ import annotations
@@ -167,14 +170,39 @@ def wrong_in_plan(model: nn.Module) -> tuple[list[str], dict]:
     return wrong, facts
 
 
-@pytest.fixture(scope="module")
-def sweep(tmp_path_factory) -> dict[str, dict]:
+# One family for each path a plan takes (what the full sweep, scripts/vlm_sweep.py, found on transformers
+# 5.23), and the families the docs name. The fact after each is asserted, so a family that leaves its path
+# is noticed.
+CODE_PATHS = {
+    "llava": "CLIP tower beside the language model; CLIPTextEmbeddings dropped from _no_split_modules",
+    "qwen2_vl": "M-RoPE; the projector (merger) inside the tower; nothing dropped",
+    "qwen2_5_vl": "window and full vision blocks",
+    "gemma3": "SigLIP tower; a VLM in the causal-LM mapping too",
+    "idefics3": "pixel-shuffle connector",
+    "mllama": "cross-attention layers; a tower of local and global blocks",
+    "paligemma": "SigLIP tower, the projector one linear",
+    "florence2": "vision blocks in a list of lists (stages); FSDP-2 warns of a split shared weight",
+    "blip": "a shared weight: its class kept whole; FSDP-2 warns",
+    "udop": "no tower (patches into the encoder); shared weights, classes kept whole",
+    "vision-encoder-decoder": "an encoder-decoder; the text embeddings kept whole",
+    "t5gemma2": "an encoder that also reads the text: the tower is the SigLIP inside it",
+    "fuyu": "no tower: patches go straight to the language model",
+    "emu3": "a VQ image tokenizer, no tower of blocks",
+    "granite_docling": "its shrunk config refused on reading: planned at default sizes",
+    "fast_vlm": "not built: needs timm (listed with the reason)",
+    "chameleon": "not built: transformers raises on its default config",
+    "evolla": "not built: not an image-text-to-text class (a UserError)",
+}
+
+
+def sweep_of(families, mktemp) -> dict[str, dict]:
+    """The plan of each family (`mktemp(name)` gives it a folder): built or why not, what is wrong."""
     from transformers.utils import logging
 
     logging.set_verbosity_error()
     rows = {}
-    for model_type in _families():
-        folder = tmp_path_factory.mktemp(model_type.replace(".", "_"))
+    for model_type in families:
+        folder = mktemp(model_type.replace(".", "_"))
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -194,29 +222,68 @@ def sweep(tmp_path_factory) -> dict[str, dict]:
     return rows
 
 
-def test_every_vlm_family_gets_a_right_plan(sweep):
-    assert list(sweep) == _families()  # every family of the mapping, once
+def every_family_wrong(sweep: dict[str, dict], every: bool = True) -> list[str]:
+    """What is wrong in a sweep (scripts/vlm_sweep.py); of every family (`every`), also the counts
+    docs/distributed.md gives."""
+    built = {t: r for t, r in sweep.items() if r["built"]}
+    with_tower = [t for t, r in built.items() if r["tower"] and r["vision_blocks"]]
+    problems = [f"{t}: {r['wrong']}" for t, r in built.items() if r["wrong"]]
+    problems += [f"{t}: not built, no reason" for t, r in sweep.items() if not r["built"] and not r["reason"]]
+    if not every:
+        return problems
+    if list(sweep) != _families():
+        problems.append("not every family of the mapping, once")
+    if len(built) < 87:  # transformers 5.23: 87 of 97
+        problems.append(f"only {len(built)} families built")
+    if len(with_tower) < 81:  # the rest: Fuyu's patches, Emu3's VQ tokenizer, text-only defaults
+        problems.append(f"only {len(with_tower)} built families with a vision tower of blocks")
+    return problems
+
+
+def summary(sweep: dict[str, dict]) -> str:
     built = {t: r for t, r in sweep.items() if r["built"]}
     not_built = {t: r["reason"] for t, r in sweep.items() if not r["built"]}
     default_sizes = [t for t, r in built.items() if r["sizes"] != "tiny"]
     fsdp2_split = [t for t, r in built.items() if "TIED_SPLIT" in r["fsdp2_warnings"]]
-    print(
-        f"\n{len(sweep)} families, {len(built)} built on meta ({len(default_sizes)} at default sizes: "
-        f"{default_sizes}), not built: {json.dumps(not_built, indent=1)}\n"
+    return (
+        f"{len(sweep)} families, {len(built)} built on meta ({len(default_sizes)} at default sizes: "
+        f"{default_sizes}), {sum(bool(r['wrong']) for r in built.values())} wrong plans, "
+        f"not built: {json.dumps(not_built, indent=1)}\n"
         f"FSDP-2: accelerate's output unit splits a weight shared by more modules (warned): {fsdp2_split}\n"
         f"kept whole: { {t: r['kept_whole'] for t, r in built.items() if r['kept_whole']} }"
     )
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory) -> dict[str, dict]:
+    return sweep_of(sorted(CODE_PATHS), tmp_path_factory.mktemp)
+
+
+def test_each_code_path_gets_a_right_plan(sweep):
+    assert set(CODE_PATHS) <= set(_families())  # each still a family of the installed transformers
+    assert list(sweep) == sorted(CODE_PATHS)
+    print("\n" + summary(sweep))
+    built = {t: r for t, r in sweep.items() if r["built"]}
+    not_built = {t: r["reason"] for t, r in sweep.items() if not r["built"]}
     wrong = {t: r["wrong"] for t, r in built.items() if r["wrong"]}
     assert wrong == {}, f"wrong plans: {wrong}"
-    assert len(built) >= 87, f"only {len(built)} families built"  # transformers 5.23: 87 of 97
     assert all(reason for reason in not_built.values())  # listed with why, not skipped
-    with_tower = [t for t, r in built.items() if r["tower"] and r["vision_blocks"]]
-    assert len(with_tower) >= 81, (
-        with_tower
-    )  # the rest: Fuyu's patches, Emu3's VQ tokenizer, text-only defaults
     for family in ("qwen2_vl", "qwen2_5_vl", "gemma3", "llava", "idefics3", "mllama", "paligemma"):
         row = built[family]
         assert row["layers"] >= 2 and row["vision_blocks"] >= 1 and row["tower"], (family, row)
+    # Each family still takes the path it stands for.
+    assert set(not_built) == {"fast_vlm", "chameleon", "evolla"}, not_built
+    assert "timm" in not_built["fast_vlm"] and not_built["evolla"].startswith("UserError")
+    assert [t for t, r in built.items() if r["sizes"] != "tiny"] == ["granite_docling"]
+    no_tower = [t for t, r in built.items() if not (r["tower"] and r["vision_blocks"])]
+    assert no_tower == ["emu3", "fuyu", "udop"], no_tower
+    split = [t for t, r in built.items() if "TIED_SPLIT" in r["fsdp2_warnings"]]
+    assert split == ["blip", "florence2", "t5gemma2", "udop", "vision-encoder-decoder"], split
+    kept = {t: r["kept_whole"] for t, r in built.items() if r["kept_whole"]}
+    assert kept == {"blip": ["BlipTextEmbeddings"], "udop": ["RelativePositionBias1D", "UdopBlock"],
+                    "vision-encoder-decoder": ["BertEmbeddings"]}, kept  # fmt: skip
+    assert built["florence2"]["vision_blocks"] > built["florence2"]["layers"]  # blocks one level down
+    assert built["t5gemma2"]["tower"] == "SiglipVisionModel"
 
 
 def test_no_split_names_the_model_lacks_are_dropped_and_reported(sweep):
@@ -285,22 +352,35 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+def invoke_cli(*args: str) -> subprocess.CompletedProcess:
+    """`inspect-wrap` in this process (the same app: parsing, errors, exit code), stderr apart."""
+    from typer.testing import CliRunner
+
+    from liger_cli import cli
+
+    result = CliRunner().invoke(cli.app, ["inspect-wrap", *args])
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return subprocess.CompletedProcess(args, result.exit_code, result.stdout, result.stderr)
+
+
 def test_cli_lora_stays_out_of_a_frozen_tower(tmp_path):
+    """The first command is a real `liger inspect-wrap` process; the others run in this process."""
     folder = str(tiny_folder("qwen2_vl", str(tmp_path)))
     parts = {}
-    for vision in ("frozen", "lora"):
-        done = run_cli(folder, "--lora", "--vision", vision, "--backend", "fsdp1", "--json")
+    for vision, run in (("frozen", run_cli), ("lora", invoke_cli)):
+        done = run(folder, "--lora", "--vision", vision, "--backend", "fsdp1", "--json")
         assert done.returncode == 0, done.stderr[-2000:]
         parts[vision] = {p["name"]: p for p in json.loads(done.stdout)["parts"]}
     assert parts["frozen"]["vision tower"]["trainable_params"] == 0  # all-linear kept out of the tower
     assert parts["lora"]["vision tower"]["trainable_params"] > 0  # LoRA adapters in the tower
     assert parts["frozen"]["language model"]["trainable_params"] > 0
 
-    done = run_cli(folder, "--vision", "lora")
+    done = invoke_cli(folder, "--vision", "lora")
     assert done.returncode == 2 and "vision tower: add --lora" in done.stderr
-    done = run_cli(str(REPO / "tests" / "configs" / "llama-3-8b"), "--vision", "full")
+    done = invoke_cli(str(REPO / "tests" / "configs" / "llama-3-8b"), "--vision", "full")
     assert done.returncode == 2 and "has no vision tower" in done.stderr
-    done = run_cli(folder, "--vision", "half")
+    done = invoke_cli(folder, "--vision", "half")
     assert done.returncode == 2 and "choose frozen, lora, full" in done.stderr
 
 

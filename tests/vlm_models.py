@@ -116,10 +116,11 @@ def image_batch(config, rows: list[tuple[list[int], list[int]]], seed: int) -> d
 # A driver for `liger_cli.run.train.run` on image rows until the data stage makes them: the run's own
 # loop, with the SFT objective's batches given an image each (`image_batch`). After training on one
 # process it writes the trained model's state and the names of its trainable parameters beside the
-# run's output. Under torchrun each rank runs it.
+# run's output. Under torchrun each rank runs it. Arguments: the tests folder, then one or more recipes,
+# trained one after the other in this process (one interpreter start for all).
 IMAGE_RUN_DRIVER = """
 import sys
-sys.path.insert(0, sys.argv[2])
+sys.path.insert(0, sys.argv[1])
 from safetensors.torch import save_file
 from transformers import AutoConfig
 from vlm_models import image_batch
@@ -127,9 +128,6 @@ from liger_cli.model.objectives import CausalLM
 from liger_cli.plan import build_plan
 from liger_cli.recipe import load_recipe
 from liger_cli.run import train
-
-recipe = load_recipe(sys.argv[1])
-config = AutoConfig.from_pretrained(recipe.model.path)
 
 class ImageRows(CausalLM):
     def collate(self, examples, pad_id):
@@ -149,5 +147,8 @@ def finish(trainer, last):
 
 train.objective_for = lambda recipe: ImageRows()
 train.finish = finish
-train.run(recipe, build_plan(recipe))
+for path in sys.argv[2:]:
+    recipe = load_recipe(path)
+    config = AutoConfig.from_pretrained(recipe.model.path)
+    train.run(recipe, build_plan(recipe))
 """
