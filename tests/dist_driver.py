@@ -3,21 +3,30 @@
 Started once per backend by torchrun (or plainly, for the 1-process references): a 2-process
 launch costs 10-20 s of imports, so the cases of a backend share it. Usage:
     python -m torch.distributed.run --nproc_per_node 2 tests/dist_driver.py SPEC.json
-SPEC: {"cases": [{"recipe": PATH, "env": {NAME: VALUE}, "uint8_storage": bool}], "field_failure_1":
+SPEC: {"cases": [{"recipe": PATH, "env": {NAME: VALUE}, "uint8_storage": bool, "expect_error": bool}], "field_failure_1":
 RECIPE_PATH or null, "zero3_load": RECIPE_PATH or null, "generation": RECIPE_PATH or null}. `uint8_storage` loads a QLoRA base the way
 other launchers do under a sharding backend (uint8 storage: the 4-bit weights stay whole on every rank).
 Each case trains through `liger_cli.run.train.run`, exactly as `liger train` does in each rank, and
 writes `checks.json` beside its metrics: whether embedding and lm_head are still one parameter, and
 how many elements of lm_head.weight this rank holds outside any forward (0 when ZeRO-3 partitions it).
+Rank 0's output of each case is also written to RECIPE.stdout (beside the recipe), so a launch that
+runs several backends' cases can be checked case by case. A case with `"expect_error": true` must
+stop with a RunFailed: its message goes to RECIPE.error.txt and the next case runs.
+As in a `liger train` rank, bitsandbytes is hidden when no recipe of the spec quantizes its model.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 from pathlib import Path
 
+import yaml
+
+from liger_cli import process_state
+from liger_cli.errors import RunFailed
 from liger_cli.launch.rank import end_process_group, exit_now
 from liger_cli.plan import build_plan
 from liger_cli.recipe import load_recipe
@@ -154,19 +163,67 @@ def generation_gathers(recipe_path: str) -> dict:
     return result
 
 
+class _Tee:
+    """Writes to the real stdout and to one case's log."""
+
+    def __init__(self, *streams):
+        self.streams = streams
+
+    def write(self, text: str) -> int:
+        for stream in self.streams:
+            stream.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        for stream in self.streams:
+            stream.flush()
+
+
+@contextlib.contextmanager
+def case_log(recipe_path: str):
+    """Rank 0's stdout during one case, also into RECIPE.stdout."""
+    if os.environ.get("RANK", "0") != "0":
+        yield
+        return
+    with Path(recipe_path).with_suffix(".stdout").open("w") as log:
+        with contextlib.redirect_stdout(_Tee(sys.stdout, log)):
+            yield
+
+
+def quantizes(spec: dict) -> bool:
+    """Whether any recipe of the spec sets model.quantize (read plainly: a resume's checkpoint does
+    not exist yet when the spec starts)."""
+    paths = [case["recipe"] for case in spec["cases"]]
+    paths += [spec[key] for key in ("field_failure_1", "zero3_load", "generation") if spec.get(key)]
+    return any(yaml.safe_load(Path(p).read_text())["model"].get("quantize", "none") != "none" for p in paths)
+
+
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
+    hide = not quantizes(spec)
     train.save_final = _save_final_with_checks
     for case in spec["cases"]:
         saved = {name: os.environ.get(name) for name in case.get("env", {})}
         os.environ.update(case.get("env", {}))
         recipe = load_recipe(case["recipe"])
+        if hide:  # as `liger train` does before anything imports peft (about 3 s of imports per process)
+            process_state.hide_bitsandbytes_unless_quantized("none", recipe.model.path or recipe.model.config)
         from liger_cli.model import quantize
 
         shards_weights = quantize.shards_weights
         if case.get("uint8_storage"):
             quantize.shards_weights = lambda recipe: False
-        train.run(recipe, build_plan(recipe))
+        with case_log(case["recipe"]):
+            try:
+                train.run(recipe, build_plan(recipe))
+            except RunFailed as err:
+                if not case.get("expect_error"):
+                    raise
+                if os.environ.get("RANK", "0") == "0":
+                    Path(case["recipe"]).with_suffix(".error.txt").write_text(f"{type(err).__name__}: {err}")
+            else:
+                if case.get("expect_error"):
+                    raise SystemExit(f"{case['recipe']}: trained, but the test expects it to stop")
         quantize.shards_weights = shards_weights
         for name, value in saved.items():
             if value is None:

@@ -2,8 +2,8 @@
 
 Every backend must train the same model a 1-process run trains: per-step losses equal the
 1-process run with the same global batch (fp32, within 1e-5), and the saved outputs load. The
-cases of a backend share one 2-process launch (tests/dist_driver.py), since each launch costs
-10-20 s of imports; every multi-process call has a timeout.
+cases of DDP, FSDP-1 and FSDP-2 share one 2-process launch (tests/dist_driver.py), since each
+launch costs 10-20 s of imports; every multi-process call has a timeout.
 """
 
 from __future__ import annotations
@@ -175,13 +175,13 @@ def assert_same_run(out: Path, ref: Path) -> None:
 BACKENDS = ["ddp", "fsdp1", "fsdp2"]  # deepspeed: proven in tests/test_deepspeed.py (its own shared launch)
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_two_processes_train_the_one_process_model(backend: str, assets, references, tmp_path: Path) -> None:
-    """LoRA and full fine-tuning, with and without activation checkpointing, in one 2-process launch."""
+def backend_cases(assets: dict, folder: Path, backend: str) -> tuple[list[dict], dict[str, Path], Path]:
+    """One backend's cases: LoRA and full fine-tuning, with and without activation checkpointing; the
+    preference objectives; streaming; a resume of the LoRA case; (FSDP) the tied model. Returns the
+    driver cases, the outputs compared with the 1-process references, and the resumed output."""
     cases, outs = [], {}
     for name, (adapter, ac) in CASES.items():
-        outs[name] = tmp_path / name
+        outs[name] = folder / name
         env = {}
         if backend == "fsdp1" and name == "lora-ac":
             env = {"FSDP_TRANSFORMER_CLS_TO_WRAP": ""}  # accelerate alone would look for a class ""
@@ -194,23 +194,50 @@ def test_two_processes_train_the_one_process_model(backend: str, assets, referen
     # Preference pairs: the loss per pair, the reference pass (LoRA) or the reference log-probs
     # precomputed by both ranks (full), or no reference (SimPO, ORPO); metrics over all ranks.
     for name, over in preference_cases(assets).items():
-        outs[name] = tmp_path / name
+        outs[name] = folder / name
         cases.append({"recipe": str(write_recipe(assets, outs[name], backend, **over))})
     # data.streaming: each rank takes its slice of every global micro-batch of the stream, so the
     # steps see the examples one process sees.
-    outs["stream"] = tmp_path / "stream"
+    outs["stream"] = folder / "stream"
     cases.append({"recipe": str(write_recipe(assets, outs["stream"], backend, data__streaming=True))})
     # Resume the LoRA case's step-2 checkpoint under the same backend and process count.
-    resumed = tmp_path / "resumed"
+    resumed = folder / "resumed"
     resume = {"output__resume": str(outs["lora"] / "checkpoints" / "step-2")}
     cases.append({"recipe": str(write_recipe(assets, resumed, backend, "lora", **resume))})
-    spec: dict = {"cases": cases}
     if backend.startswith("fsdp"):
-        outs["tied"] = tmp_path / "tied"
+        outs["tied"] = folder / "tied"
         cases.append({"recipe": str(write_recipe(assets, outs["tied"], backend, "none", model="tied"))})
-    if backend == "fsdp1":
-        spec["field_failure_1"] = str(write_recipe(assets, tmp_path / "ff1", backend, "none"))
-    proc = run_driver(spec, tmp_path, nproc=2)
+    return cases, outs, resumed
+
+
+@pytest.fixture(scope="module")
+def backend_runs(assets, tmp_path_factory) -> dict[str, dict]:
+    """Every backend's cases in ONE 2-process launch (a launch costs 10-20 s of imports per process;
+    accelerate's state is reset between runs, as between the cases of one backend), then FSDP-1's
+    field failure. Per backend: its outputs, its resumed run, and rank 0's output of its cases."""
+    root = tmp_path_factory.mktemp("backends")
+    spec: dict = {"cases": []}
+    runs = {}
+    for backend in BACKENDS:
+        folder = root / backend
+        folder.mkdir()
+        cases, outs, resumed = backend_cases(assets, folder, backend)
+        spec["cases"] += cases
+        runs[backend] = {"outs": outs, "resumed": resumed, "recipes": [Path(c["recipe"]) for c in cases]}
+    spec["field_failure_1"] = str(write_recipe(assets, root / "fsdp1" / "ff1", "fsdp1", "none"))
+    run_driver(spec, root, nproc=2, timeout=900)
+    for run in runs.values():  # what the driver printed for this backend's cases (rank 0)
+        run["stdout"] = "".join(recipe.with_suffix(".stdout").read_text() for recipe in run["recipes"])
+    return runs
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_two_processes_train_the_one_process_model(backend: str, assets, references, backend_runs) -> None:
+    """LoRA and full fine-tuning, with and without activation checkpointing, preference objectives,
+    streaming and a resume, under each backend (one 2-process launch: `backend_runs`)."""
+    run = backend_runs[backend]
+    outs, resumed, stdout = run["outs"], run["resumed"], run["stdout"]
 
     for name, out in outs.items():
         ref = references[name if name in references else "full" if name.startswith("full") else "lora"]
@@ -230,17 +257,17 @@ def test_two_processes_train_the_one_process_model(backend: str, assets, referen
     assert got["train"].shape == (34, 2) and got["eval"].shape == (6, 2)
     for split in got:
         torch.testing.assert_close(got[split], want[split], atol=1e-5, rtol=1e-6, msg=split)
-    computed = [line for line in proc.stdout.splitlines() if line.startswith("reference log-probs: computed")]
+    computed = [line for line in stdout.splitlines() if line.startswith("reference log-probs: computed")]
     assert len(computed) == 1 and f"under {backend}" in computed[0], computed
     assert losses(resumed) == pytest.approx(losses(outs["lora"])[2:], abs=1e-5, rel=0)
     got, want = (load_file(p / "final" / "adapter_model.safetensors") for p in (resumed, outs["lora"]))
     for key in want:
         torch.testing.assert_close(got[key], want[key], atol=1e-6, rtol=1e-5, msg=key)
-    sharding = [line for line in proc.stdout.splitlines() if line.startswith("sharding:")]
+    sharding = [line for line in stdout.splitlines() if line.startswith("sharding:")]
     assert len(sharding) == len(outs) + 1
     # What is saved is what was trained: every case reloaded its final/ and compared it (verify.py).
-    verified = [line for line in proc.stdout.splitlines() if line.startswith("final model verified")]
-    assert len(verified) == len(outs) + 1, proc.stdout[-3000:]
+    verified = [line for line in stdout.splitlines() if line.startswith("final model verified")]
+    assert len(verified) == len(outs) + 1, stdout[-3000:]
     if backend.startswith("fsdp"):
         assert all("LlamaDecoderLayer" in (outs[n] / "plan.txt").read_text() for n in ("lora", "lora-ac"))
         assert all("1/2" in line for line in sharding), sharding
@@ -248,7 +275,7 @@ def test_two_processes_train_the_one_process_model(backend: str, assets, referen
         tied = load_file(outs["tied"] / "final" / "model.safetensors")
         assert "model.embed_tokens.weight" in tied
     if backend == "fsdp1":
-        message = (tmp_path / "ff1.ff1.txt").read_text()
+        message = (outs["lora"].parent / "ff1.ff1.txt").read_text()
         assert "size mismatch" in message or "shape" in message, message
 
 
@@ -298,8 +325,10 @@ def test_liger_train_launches_and_other_launchers_give_the_same_run(
             torch.testing.assert_close(got[key], want[key], atol=1e-6, rtol=1e-5, msg=key)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(600)
 def test_a_killed_rank_ends_the_job_and_is_named(assets, tmp_path: Path) -> None:
+    """Rank 1 killed mid-run: the job ends (within the wait's timeout, not hanging) and says which rank
+    died. The waits are generous: this file runs beside another worker's 2-process runs."""
     import psutil
 
     recipe = write_recipe(assets, tmp_path / "out", "ddp", training__max_steps=100000)
@@ -308,7 +337,7 @@ def test_a_killed_rank_ends_the_job_and_is_named(assets, tmp_path: Path) -> None
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())  # fmt: skip
     try:
         metrics = tmp_path / "out" / "metrics.jsonl"
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + 400
         while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
             assert job.poll() is None and time.monotonic() < deadline, "training never started"
             time.sleep(0.5)
@@ -317,9 +346,7 @@ def test_a_killed_rank_ends_the_job_and_is_named(assets, tmp_path: Path) -> None
         ]
         assert len(ranks) == 1
         ranks[0].send_signal(signal.SIGKILL)
-        killed = time.monotonic()
-        _, stderr = job.communicate(timeout=60)
-        assert time.monotonic() - killed < 60
+        _, stderr = job.communicate(timeout=150)  # a job that hangs on its dead rank fails here
     finally:
         if job.poll() is None:
             for child in psutil.Process(job.pid).children(recursive=True):

@@ -1,6 +1,10 @@
 """GRPO runs as a user runs them: `liger train` on prompts, starting from an SFT run's adapter
 (`adapter.init`), with every completion in rollouts.jsonl, the sampler and the trainer in agreement,
-an exact resume, `liger generate` on the result, and one-line errors for broken rewards and prompts."""
+an exact resume, `liger generate` on the result, and one-line errors for broken rewards and prompts.
+
+Train once, assert many: the runs that are not about the `liger` process itself (every adapter kind,
+the stopped halves of the resume checks, full fine-tuning with a KL term and 2 iterations per batch)
+share one process through tests/dist_driver.py; every resume is a fresh `liger train`, as after a crash."""
 
 from __future__ import annotations
 
@@ -10,10 +14,14 @@ from pathlib import Path
 import pytest
 import yaml
 from safetensors.torch import load_file
+from test_distributed import run_driver
 from test_output_safety import one_line_error
 from test_train import QUICK_DATA, liger, recipe_text
 
 TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+# Generous: this file's runs share the machine with another worker's 2-process tests.
+TIMEOUT = 900
+pytestmark = pytest.mark.timeout(1800)
 ROLLOUT_FIELDS = ["step", "prompt", "prompt_ids", "completion", "completion_ids", "sampler_logprobs", "rewards",
                   "reward", "advantage"]  # fmt: skip
 
@@ -33,7 +41,7 @@ def setup(tiny_model_dir: Path, tmp_path_factory) -> dict:
     recipe = root / "sft.yaml"
     recipe.write_text(recipe_text(tiny_model_dir, sft, training="{max_steps: 4, micro_batch_size: 8, lr: 1.0e-2, seed: 1}",
                                   output=f"{{dir: {sft}, overwrite: true}}"))  # fmt: skip
-    proc = liger("train", str(recipe))
+    proc = liger("train", str(recipe), timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     train = write_prompts(root / "train.jsonl", QUICK_DATA / "train.jsonl", 16)
     evald = write_prompts(root / "eval.jsonl", QUICK_DATA / "eval.jsonl", 6)
@@ -70,7 +78,7 @@ def metrics(out: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def run(setup) -> Path:
     out = setup["root"] / "run"
-    proc = liger("train", str(grpo_recipe(setup, out)))
+    proc = liger("train", str(grpo_recipe(setup, out)), timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "final model verified" in proc.stdout and "sample: " in proc.stdout
     return out
@@ -106,19 +114,25 @@ def test_a_grpo_run_writes_every_completion_and_its_figures(run: Path) -> None:
 def test_generate_runs_on_the_grpo_result(run: Path, setup, tmp_path: Path) -> None:
     out = tmp_path / "out.jsonl"
     proc = liger(
-        "generate", str(run), "--prompts", str(setup["eval"]), "--out", str(out), "--max-new-tokens", "8"
+        "generate",
+        str(run),
+        "--prompts",
+        str(setup["eval"]),
+        "--out",
+        str(out),
+        "--max-new-tokens",
+        "8",
+        timeout=TIMEOUT,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 6 and all("answer" in r and "completion" in r for r in rows)
 
 
-def test_a_stopped_run_resumes_to_the_same_weights(setup, run: Path) -> None:
+def test_a_stopped_run_resumes_to_the_same_weights(setup, run: Path, runs: dict) -> None:
     """Sampling is keyed by (seed, step, prompt row, completion): a run stopped after step 2 and resumed
     samples what the uninterrupted run sampled, and ends with the same adapter."""
-    out = setup["root"] / "stopped"
-    proc = liger("train", str(grpo_recipe(setup, out, training__max_steps=2)))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = runs["stopped"]
     proc = liger(
         "train",
         str(grpo_recipe(setup, out)),
@@ -126,6 +140,7 @@ def test_a_stopped_run_resumes_to_the_same_weights(setup, run: Path) -> None:
         "output.resume=auto",
         "--set",
         "output.overwrite=false",
+        timeout=TIMEOUT,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got, want = (load_file(p / "final" / "adapter_model.safetensors") for p in (out, run))
@@ -144,10 +159,10 @@ def test_broken_rewards_and_long_prompts_are_one_line_errors(setup) -> None:
     (root / "rewards.py").write_text(
         "def short(completions, answer, **kwargs):\n    return [len(a) / 0 for a in answer]\n"
     )
-    line = one_line_error(liger("train", str(recipe)))
+    line = one_line_error(liger("train", str(recipe), timeout=TIMEOUT))
     assert "reward short" in line and "raised on prompt row 1: ZeroDivisionError" in line, line
     (root / "rewards.py").write_text("raise RuntimeError('oops')\n")
-    line = one_line_error(liger("train", str(recipe)))
+    line = one_line_error(liger("train", str(recipe), timeout=TIMEOUT))
     assert "importing" in line and "RuntimeError: oops" in line, line
     assert not (out / "final").exists()
     long = root / "long.jsonl"
@@ -159,126 +174,131 @@ def test_broken_rewards_and_long_prompts_are_one_line_errors(setup) -> None:
     (root / "rewards.py").write_text(
         "def short(completions, **kwargs):\n    return [0.0] * len(completions)\n"
     )
-    line = one_line_error(liger("train", str(grpo)))
+    line = one_line_error(liger("train", str(grpo), timeout=TIMEOUT))
     assert "data.train prompt row 3" in line and "data.max_seq_len - rl.max_new_tokens" in line, line
 
 
-@pytest.mark.timeout(900)
-def test_the_shipped_grpo_recipe_raises_held_out_reward(tmp_path: Path) -> None:
-    """recipes/grpo.yaml, as shipped: from its SFT adapter, 200 steps raise the exact answers on the 100
-    held-out numbers (never trained on) well above where they started."""
+def test_the_shipped_grpo_recipe_trains_end_to_end(tmp_path: Path) -> None:
+    """recipes/grpo.yaml, as shipped but for one step: its SFT adapter, prompts, reward and the 100
+    held-out numbers run end to end, and step 0's eval is the documented start (0.47 answered exactly).
+    That 200 steps raise it well above (the recipe's claim) is measured by scripts/check_grpo_recipe.py
+    (docs/rl.md has the number)."""
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "grpo.yaml"
-    proc = liger("train", str(recipe), "--set", f"output.dir={tmp_path / 'grpo'}", timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    evals = [m["eval_reward"] for m in metrics(tmp_path / "grpo") if "eval_reward" in m]
-    assert len(evals) == 6
-    assert evals[-1] >= evals[0] + 0.15, evals
-
-
-@pytest.mark.parametrize(
-    "over",
-    [
-        {"adapter": {"type": "none"}},  # full fine-tuning (beta 0: no reference copy needed)
-        {"adapter": {"type": "dora", "r": 4, "alpha": 8}},
-        {"adapter": {"type": "lora", "r": 4, "alpha": 8}, "model__quantize": "nf4"},
-    ],
-    ids=["full", "dora", "qlora"],
-)
-def test_every_adapter_kind_trains_with_grpo(setup, tmp_path: Path, over: dict) -> None:
-    out = tmp_path / "run"
-    path = grpo_recipe(setup, out, training__max_steps=2, training__eval_every=None,
-                       **{k: v for k, v in over.items() if k != "adapter"})  # fmt: skip
-    recipe = yaml.safe_load(path.read_text())
-    recipe["adapter"] = over["adapter"]
-    path.write_text(yaml.safe_dump(recipe))
-    proc = liger("train", str(path))
+    out = tmp_path / "grpo"
+    proc = liger(
+        "train", str(recipe), "--set", f"output.dir={out}", "--set", "training.max_steps=1", timeout=TIMEOUT
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "final model verified" in proc.stdout
+    evals = [(m["step"], m["eval_reward"]) for m in metrics(out) if "eval_reward" in m]
+    assert [step for step, _ in evals] == [0, 1]
+    assert evals[0][1] == pytest.approx(0.47, abs=0.011), evals  # one answer either way across releases
+    assert len((out / "rollouts.jsonl").read_text().splitlines()) == 1 * 8 * 8  # 8 prompts x 8 answers
+
+
+ADAPTER_KINDS = {
+    "full": ({"type": "none"}, {}),  # full fine-tuning (beta 0: no reference copy needed)
+    "dora": ({"type": "dora", "r": 4, "alpha": 8}, {}),
+    "qlora": ({"type": "lora", "r": 4, "alpha": 8}, {"model__quantize": "nf4"}),
+}
+
+
+def full_kl_recipe(setup: dict, out: Path, **over) -> Path:
+    """Full fine-tuning with a KL term (beta 0.1) and 2 updates per batch of completions (num_iterations),
+    5 steps: completions sampled on steps 1, 3 and 5, a checkpoint every step. The reward has spread (the
+    base model never answers exactly)."""
+    (out.parent / "spread.py").write_text(
+        "def spread(completion_ids, **kwargs):\n    return [sum(i % 7 for i in ids) / 20 for ids in completion_ids]\n"
+    )
+    settings = {"rl__beta": 0.1, "training__eval_every": None, "training__lr": 1.0e-3, "training__max_steps": 5,
+                "rl__rewards": [{"function": "spread.py:spread"}], "rl__num_iterations": 2, "output__save_every": 1}  # fmt: skip
+    path = grpo_recipe(setup, out, **{**settings, **over})
+    recipe = yaml.safe_load(path.read_text())
+    recipe["adapter"] = {"type": "none"}
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(setup) -> dict:
+    """The runs no test needs a `liger` process of its own for, in ONE process (tests/dist_driver.py:
+    `liger train`'s training, case after case): every adapter kind for 2 steps; the full-fine-tuning KL
+    run whole and stopped after step 3 (half-way through its second batch's updates); and the main run
+    stopped after step 2. The resumes are fresh `liger train` processes, in the tests."""
+    root = setup["root"] / "driver"
+    root.mkdir()
+    outs = {name: root / name for name in (*ADAPTER_KINDS, "kl-whole", "kl-stopped")}
+    cases = []
+    for name, (adapter, over) in ADAPTER_KINDS.items():
+        path = grpo_recipe(setup, outs[name], training__max_steps=2, training__eval_every=None, **over)
+        recipe = yaml.safe_load(path.read_text())
+        recipe["adapter"] = adapter
+        path.write_text(yaml.safe_dump(recipe))
+        cases.append(path)
+    cases.append(full_kl_recipe(setup, outs["kl-whole"]))
+    cases.append(full_kl_recipe(setup, outs["kl-stopped"], training__max_steps=3))
+    outs["stopped"] = setup["root"] / "stopped"
+    cases.append(grpo_recipe(setup, outs["stopped"], training__max_steps=2))
+    proc = run_driver({"cases": [{"recipe": str(c)} for c in cases]}, root, nproc=1, timeout=2 * TIMEOUT)
+    assert proc.stdout.count("final model verified") == len(cases), proc.stdout[-3000:]
+    return outs
+
+
+@pytest.mark.parametrize("kind", list(ADAPTER_KINDS))
+def test_every_adapter_kind_trains_with_grpo(runs: dict, kind: str) -> None:
+    out = runs[kind]
+    weights = "model" if kind == "full" else "adapter_model"
+    assert (out / "final" / f"{weights}.safetensors").is_file()  # and verified: the fixture counts them
     assert len((out / "rollouts.jsonl").read_text().splitlines()) == 2 * 4 * 4
     assert all(m["sampler/abs_logp_diff"] < 1e-4 for m in metrics(out) if "loss" in m)
 
 
-def test_num_iterations_reuses_each_batch_of_completions(setup, tmp_path: Path) -> None:
-    """num_iterations 2: completions are sampled on steps 1 and 3, and each batch trains two steps (the
+def test_num_iterations_reuses_each_batch_of_completions(runs: dict) -> None:
+    """num_iterations 2: completions are sampled on steps 1, 3 and 5, and each batch trains two steps (the
     second update's old log-probs are the sampling weights': tests/test_grpo.py proves that loss)."""
-    out = tmp_path / "run"
-    proc = liger("train", str(grpo_recipe(setup, out, training__max_steps=4, training__eval_every=None,
-                                          rl__num_iterations=2)))  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = runs["kl-whole"]
     rollouts = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rollouts] == [1] * 16 + [3] * 16
+    assert [r["step"] for r in rollouts] == [1] * 16 + [3] * 16 + [5] * 16
     steps = [m for m in metrics(out) if "loss" in m]
-    assert [m["step"] for m in steps] == [1, 2, 3, 4]
+    assert [m["step"] for m in steps] == [1, 2, 3, 4, 5]
     assert steps[0]["clip_fraction"] == 0  # the first update on a batch is on-policy: nothing clipped
     assert steps[1]["reward"] == steps[0]["reward"] and steps[3]["reward"] == steps[2]["reward"]
 
 
-def test_full_fine_tuning_with_a_kl_term_resumes_exactly(setup, tmp_path: Path) -> None:
+def test_full_fine_tuning_with_a_kl_term_plans_a_reference_and_starts_at_kl_0(setup, runs: dict) -> None:
     """beta > 0 without an adapter: the reference is the starting weights (kl 0 on the first, on-policy
-    step, then above 0), counted in the memory plan; a run stopped and resumed keeps the starting weights
-    as its reference (not the checkpoint's) and ends with the uninterrupted run's weights."""
-    (tmp_path / "spread.py").write_text(  # the base model never answers exactly: a reward with spread
-        "def spread(completion_ids, **kwargs):\n    return [sum(i % 7 for i in ids) / 20 for ids in completion_ids]\n"
-    )
+    step, then above 0), counted in the memory plan."""
+    from liger_cli.plan.dry_run import dry_run
+    from liger_cli.recipe import load_recipe
 
-    def full(out: Path, **over) -> Path:
-        path = grpo_recipe(setup, out, rl__beta=0.1, training__eval_every=None, training__lr=1.0e-3,
-                           rl__rewards=[{"function": "spread.py:spread"}], **over)  # fmt: skip
-        recipe = yaml.safe_load(path.read_text())
-        recipe["adapter"] = {"type": "none"}
-        path.write_text(yaml.safe_dump(recipe))
-        return path
-
-    dry = liger("train", str(full(tmp_path / "dry")), "--dry-run")
-    assert dry.returncode == 0, dry.stderr[-3000:]
-    assert "reference copy" in dry.stdout and "the starting weights, for the KL term" in dry.stdout
-
-    whole = tmp_path / "whole"
-    proc = liger("train", str(full(whole)))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    steps = [m for m in metrics(whole) if "loss" in m]
+    plan = dry_run(load_recipe(full_kl_recipe(setup, setup["root"] / "driver" / "dry"), []))
+    assert "reference copy" in plan and "the starting weights, for the KL term" in plan
+    steps = [m for m in metrics(runs["kl-whole"]) if "loss" in m]
     assert steps[0]["kl"] == 0 and all(m["kl"] > 0 for m in steps[1:]), [m["kl"] for m in steps]
 
-    stopped = tmp_path / "stopped"
-    proc = liger("train", str(full(stopped, training__max_steps=2)))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    proc = liger(
-        "train", str(full(stopped)), "--set", "output.resume=auto", "--set", "output.overwrite=false"
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [m["kl"] for m in metrics(stopped) if "loss" in m][-1] == pytest.approx(steps[-1]["kl"], rel=1e-5)
-    got, want = (load_file(p / "final" / "model.safetensors") for p in (stopped, whole))
-    assert got.keys() == want.keys() and got
-    for key in want:
-        assert (got[key] - want[key]).abs().max() < 1e-6, key
 
-
-def test_a_resume_between_iterations_reuses_the_same_completions(setup, tmp_path: Path) -> None:
-    """num_iterations 2, stopped after step 3 (half-way through the second batch's updates): the
-    checkpoint holds that batch of completions with its old log-probs, so the resumed step 4 trains on
-    them, logs what the uninterrupted run logged, and ends with the same adapter."""
-    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
-    over = {
-        "training__max_steps": 4,
-        "training__eval_every": None,
-        "rl__num_iterations": 2,
-        "output__save_every": 1,
-    }
-    proc = liger("train", str(grpo_recipe(setup, whole, **over)))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    proc = liger("train", str(grpo_recipe(setup, stopped, **{**over, "training__max_steps": 3})))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_a_resume_between_iterations_keeps_the_completions_and_the_kl_reference(setup, runs: dict) -> None:
+    """Stopped after step 3 (half-way through the second batch's updates): the checkpoint holds that batch
+    of completions with its old log-probs, so the resumed step 4 trains on them and logs what the
+    uninterrupted run logged; the reference is still the starting weights (not the checkpoint's), and
+    the run ends with the uninterrupted run's weights."""
+    stopped, whole = runs["kl-stopped"], runs["kl-whole"]
     assert (stopped / "checkpoints" / "step-3" / "objective_state_0.safetensors").is_file()
-    proc = liger("train", str(grpo_recipe(setup, stopped, **over)), "--set", "output.resume=auto",
-                 "--set", "output.overwrite=false")  # fmt: skip
+    proc = liger("train", str(full_kl_recipe(setup, stopped)), "--set", "output.resume=auto",
+                 "--set", "output.overwrite=false", timeout=TIMEOUT)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     rollouts = [json.loads(line) for line in (stopped / "rollouts.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rollouts] == [1] * 16 + [3] * 16  # step 4 sampled nothing new
+    assert [r["step"] for r in rollouts] == [1] * 16 + [3] * 16 + [5] * 16  # step 4 sampled nothing new
+    want_rollouts = [json.loads(line) for line in (whole / "rollouts.jsonl").read_text().splitlines()]
+    assert [r["completion_ids"] for r in rollouts] == [r["completion_ids"] for r in want_rollouts]
     got, want = ([m for m in metrics(p) if "loss" in m] for p in (stopped, whole))
-    assert got[-1]["step"] == want[-1]["step"] == 4
-    for name in ("loss", "clip_fraction", "reward", "completion_length"):
-        assert got[-1][name] == pytest.approx(want[-1][name], rel=1e-5, abs=1e-7), name
-    got_w, want_w = (load_file(p / "final" / "adapter_model.safetensors") for p in (stopped, whole))
+    assert [m["step"] for m in got] == [m["step"] for m in want] == [1, 2, 3, 4, 5]
+    for mine, theirs in zip(got[3:], want[3:], strict=True):  # steps 4 (reused batch) and 5 (new one)
+        for name in ("loss", "clip_fraction", "reward", "completion_length"):
+            assert mine[name] == pytest.approx(theirs[name], rel=1e-5, abs=1e-7), (mine["step"], name)
+    assert got[-1]["kl"] == pytest.approx(want[-1]["kl"], rel=1e-5)
+    got_w, want_w = (load_file(p / "final" / "model.safetensors") for p in (stopped, whole))
+    assert got_w.keys() == want_w.keys() and got_w
     for key in want_w:
         assert (got_w[key] - want_w[key]).abs().max() < 1e-6, key
 
@@ -288,7 +308,7 @@ def test_liger_bench_compares_kernels_on_a_grpo_recipe(setup, tmp_path: Path) ->
     sampled token here), so their first-step losses agree; each writes its rollouts."""
     out = tmp_path / "bench"
     recipe = grpo_recipe(setup, tmp_path / "run", training__eval_every=None)
-    proc = liger("bench", str(recipe), "--steps", "1", "--warmup", "0", "--out", str(out), timeout=600)
+    proc = liger("bench", str(recipe), "--steps", "1", "--warmup", "0", "--out", str(out), timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads((out / "bench.json").read_text())
     assert report["first_step_loss"]["agree"], report["first_step_loss"]

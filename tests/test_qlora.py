@@ -6,6 +6,7 @@ plain runs."""
 from __future__ import annotations
 
 import gc
+import importlib.util
 import json
 import subprocess
 import sys
@@ -306,41 +307,71 @@ def qlora_assets(tmp_path_factory) -> dict:
 
 
 SHARDED = "4-bit weights: 18432 of 36864 bytes on this rank, each held once per shard group"
+BACKENDS = {  # test id -> (backend, recipe keys, what its sharding check says)
+    "ddp": ("ddp", {}, "DDP: gradients all-reduced over 2 processes"),
+    "fsdp1": ("fsdp1", {}, "; 4-bit weights: "),
+    "fsdp2": ("fsdp2", {}, SHARDED),
+    "zero3": ("deepspeed", {}, SHARDED),
+    "zero2": ("deepspeed", {"distributed__zero_stage": 2}, "ZeRO-2: parameters replicated"),
+}
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 
 
-@pytest.mark.timeout(400)
-@pytest.mark.parametrize(
-    "backend, over, says",
-    [
-        ("ddp", {}, "DDP: gradients all-reduced over 2 processes"),
-        ("fsdp1", {}, "; 4-bit weights: "),
-        ("fsdp2", {}, SHARDED),
-        ("deepspeed", {}, SHARDED),
-        ("deepspeed", {"distributed__zero_stage": 2}, "ZeRO-2: parameters replicated"),
-    ],
-    ids=["ddp", "fsdp1", "fsdp2", "zero3", "zero2"],
-)
-def test_two_processes_train_the_one_process_qlora(
-    qlora_assets: dict, tmp_path: Path, backend: str, over: dict, says: str
-) -> None:
+@pytest.fixture(scope="module")
+def qlora_runs(qlora_assets: dict, tmp_path_factory) -> dict[str, Path]:
+    """ONE 2-process launch (each costs 10-20 s of imports per process) for every 2-process case: each
+    backend's QLoRA run and its resume, the bfloat16 bases under FSDP-1, then the replicated 4-bit
+    weights that must stop (FSDP-2, uint8 storage) and DeepSpeed last (it keeps state of its own).
+    Returns each case's output folder; rank 0's output of a case is in RECIPE.stdout beside it."""
+    from test_distributed import run_driver, write_recipe
+
+    root = tmp_path_factory.mktemp("qlora-2")
+    outs, cases, deepspeed = {}, [], []
+    for name, (backend, over, _) in BACKENDS.items():
+        if backend == "deepspeed" and not HAS_DEEPSPEED:
+            continue
+        outs[name], outs[f"{name}-resumed"] = root / name, root / f"{name}-resumed"
+        recipe = write_recipe(qlora_assets, outs[name], backend, **OVER, **over, output__save_every=2)
+        resume = str(outs[name] / "checkpoints" / "step-2")
+        resumed = write_recipe(
+            qlora_assets, outs[f"{name}-resumed"], backend, **OVER, **over, output__resume=resume
+        )
+        (deepspeed if backend == "deepspeed" else cases).extend(
+            [{"recipe": str(recipe)}, {"recipe": str(resumed)}]
+        )
+    for quantize in ("nf4", "none"):
+        outs[f"bf16-{quantize}"] = root / f"bf16-{quantize}"
+        over = {**OVER, "model__quantize": quantize, "model__dtype": "bfloat16"}
+        cases.append({"recipe": str(write_recipe(qlora_assets, outs[f"bf16-{quantize}"], "fsdp1", **over))})
+    # The 4-bit weights loaded the way other launchers load them under FSDP-2: the case must stop.
+    outs["uint8"] = root / "uint8"
+    uint8 = write_recipe(qlora_assets, outs["uint8"], "fsdp2", **OVER)
+    cases.append({"recipe": str(uint8), "uint8_storage": True, "expect_error": True})
+    cases += deepspeed
+    run_driver({"cases": cases}, root, nproc=2, timeout=900)
+    return outs
+
+
+def case_stdout(out: Path) -> str:
+    """Rank 0's output of the case whose output folder is `out` (tests/dist_driver.py)."""
+    return out.with_name(f"{out.name}.stdout").read_text()
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("name", BACKENDS)
+def test_two_processes_train_the_one_process_qlora(qlora_assets: dict, qlora_runs: dict, name: str) -> None:
     """QLoRA with 2 processes on gloo under every backend: per-step losses, eval losses and the saved
     adapter equal a 1-process run with the same global batch, and a resume from its checkpoint gives
     the same last steps. Where the backend shards weights, the 4-bit weights are held once over the
     ranks (the sharding check counts them; the 64-wide model's 36,864 packed bytes split evenly under
     FSDP-2 and ZeRO-3). The final check reloads onto the 4-bit base."""
+    backend, _, says = BACKENDS[name]
     if backend == "deepspeed":
         pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (scripts/setup.sh installs it)")
-    from test_distributed import assert_same_run, losses, run_driver, write_recipe
+    from test_distributed import assert_same_run, losses
 
-    out, resumed = tmp_path / "out", tmp_path / "resumed"
-    recipe = write_recipe(qlora_assets, out, backend, **OVER, **over, output__save_every=2)
-    resume = write_recipe(
-        qlora_assets, resumed, backend, **OVER, **over, output__resume=str(out / "checkpoints" / "step-2")
-    )
-    proc = run_driver(
-        {"cases": [{"recipe": str(recipe)}, {"recipe": str(resume)}]}, tmp_path, nproc=2, timeout=360
-    )
-    log = proc.stdout + proc.stderr
+    out, resumed = qlora_runs[name], qlora_runs[f"{name}-resumed"]
+    log = case_stdout(out) + case_stdout(resumed)
     assert says in log, log[-3000:]
     assert log.count("final model verified") == 2
     assert_same_run(out, qlora_assets["ref"])
@@ -353,25 +384,24 @@ def test_two_processes_train_the_one_process_qlora(
         torch.testing.assert_close(got[key], want[key], atol=1e-6, rtol=1e-5, msg=key)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(1200)
 @pytest.mark.parametrize("quantize", ["nf4", "none"])
 def test_fsdp1_bfloat16_base_trains_with_the_adapter_in_its_dtype(
-    qlora_assets: dict, tmp_path: Path, quantize
+    qlora_assets: dict, qlora_runs: dict, quantize
 ):
     """A bfloat16 base (4-bit or not) with LoRA under FSDP-1: peft would keep the adapter in float32 and
     FSDP-1 could not flatten the units ("Must flatten tensors with uniform dtype"); the adapter takes the
     model's dtype, the Plan says so, and the losses stay within 0.02 of the float32 QLoRA run's."""
-    from test_distributed import losses, run_driver, write_recipe
+    from test_distributed import losses
 
-    over = {**OVER, "model__quantize": quantize, "model__dtype": "bfloat16"}
-    recipe = write_recipe(qlora_assets, tmp_path / "out", "fsdp1", **over)
-    proc = run_driver({"cases": [{"recipe": str(recipe)}]}, tmp_path, nproc=2, timeout=280)
-    plan = (tmp_path / "out" / "plan.txt").read_text()
+    out = qlora_runs[f"bf16-{quantize}"]
+    plan = (out / "plan.txt").read_text()
     assert "adapter weights in bfloat16, the model's dtype: FSDP-1 flattens each unit into one dtype" in plan
-    assert "final model verified" in proc.stdout
-    assert ("; 4-bit weights: " in proc.stdout) == (quantize == "nf4")
+    stdout = case_stdout(out)
+    assert "final model verified" in stdout
+    assert ("; 4-bit weights: " in stdout) == (quantize == "nf4")
     want = losses(qlora_assets["ref"])
-    assert losses(tmp_path / "out") == pytest.approx(want, abs=0.02, rel=0)
+    assert losses(out) == pytest.approx(want, abs=0.02, rel=0)
 
 
 def test_a_checkpoint_loads_back_strictly_and_checks_the_statistics(model64: Path, tmp_path: Path) -> None:
@@ -392,22 +422,28 @@ def test_a_checkpoint_loads_back_strictly_and_checks_the_statistics(model64: Pat
         model.load_state_dict(state, strict=True)
 
 
-@pytest.mark.timeout(300)
-def test_replicated_4bit_weights_are_a_downgrade(qlora_assets: dict, tmp_path: Path) -> None:
+@pytest.mark.timeout(1200)
+def test_replicated_4bit_weights_are_a_downgrade(qlora_runs: dict) -> None:
     """The 4-bit weights loaded the way other launchers load them under FSDP-2 (uint8 storage, which
-    accelerate leaves out of sharding, whole on every rank) stop the run with the count, not a
-    silent replication."""
-    from test_distributed import DRIVER, child_env, free_port, write_recipe
+    accelerate leaves out of sharding, whole on every rank) stop the run (a RunFailed, which ends a
+    `liger train` rank with exit 1) with the count, not a silent replication."""
+    out = qlora_runs["uint8"]
+    message = out.with_name("uint8.error.txt").read_text()
+    assert message.startswith("DowngradeError: "), message
+    assert "the 4-bit weights are held 2 times over the 2 ranks, not 1" in message, message
+    assert not (out / "metrics.jsonl").exists()
 
-    recipe = write_recipe(qlora_assets, tmp_path / "out", "fsdp2", **OVER)
-    spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"cases": [{"recipe": str(recipe), "uint8_storage": True}]}))
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-            "--master_port", str(free_port()), str(DRIVER), str(spec)]  # fmt: skip
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=280, env=child_env(), cwd=tmp_path)
-    assert proc.returncode != 0
-    assert "the 4-bit weights are held 2 times over the 2 ranks, not 1" in proc.stderr, proc.stderr[-3000:]
-    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+def cli_json(*args: str) -> dict:
+    """A `liger` command's --json output, run in this process (the same CLI code without 5-8 s of
+    imports; test_sharded_plans_count_4bit_bytes runs `liger train --dry-run` as a real process)."""
+    from typer.testing import CliRunner
+
+    from liger_cli import cli
+
+    result = CliRunner().invoke(cli.app, list(args))
+    assert result.exit_code == 0, result.output[-2000:]
+    return json.loads(result.stdout)
 
 
 @pytest.mark.parametrize(("double", "dtype"), [(True, "float32"), (False, "float32"), (True, "bfloat16")])
@@ -416,17 +452,14 @@ def test_memory_plan_counts_4bit_bytes(double: bool, dtype: str) -> None:
     what stays unquantized, the adapter), counted from its state dict, within 1%. With a bf16
     model.dtype the k-bit preparation casts what stays unquantized (the embeddings, lm_head, norms)
     to fp32, and the plan counts it so."""
-    import json
-
     from test_train import REPO
 
     from liger_cli.model import add_adapter, load_base_model
 
     recipe = REPO / "recipes" / "qlora.yaml"
     overrides = [f"model.quantize_double={str(double).lower()}", f"model.dtype={dtype}"]
-    proc = liger("train", str(recipe), "--dry-run", "--json", *(x for o in overrides for x in ("--set", o)))
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    planned = json.loads(proc.stdout)["memory"]["components"]["parameters"]
+    args = ["train", str(recipe), "--dry-run", "--json", *(x for o in overrides for x in ("--set", o))]
+    planned = cli_json(*args)["memory"]["components"]["parameters"]
     loaded = load_recipe(recipe, overrides)
     model = add_adapter(load_base_model(loaded), loaded)
     tensors = {t.data_ptr(): t for t in model.state_dict().values()}  # a tied weight once
@@ -476,9 +509,8 @@ def test_sharded_plans_count_4bit_bytes(tmp_path: Path) -> None:
     adapter = 74_752 * 4
     assert planned == pytest.approx((packed + other + adapter) / 2 + stats, rel=0.01)
 
-    proc = liger("inspect-wrap", "--recipe", str(recipe_path), "--json")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    units = [u for u in json.loads(proc.stdout)["units"] if u["class"] == "LlamaDecoderLayer"]
+    units = [u for u in cli_json("inspect-wrap", "--recipe", str(recipe_path), "--json")["units"]
+             if u["class"] == "LlamaDecoderLayer"]  # fmt: skip
     layer = model.model.layers[0]
     stored = sum(t.numel() * t.element_size() for t in layer.state_dict().values())
     layer_adapter = 37_376 * 4  # the inspected layer's LoRA weights (r 16), fp32

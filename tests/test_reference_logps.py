@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_distributed import run_driver
 from test_output_safety import one_line_error
 from test_preference_train import write_pairs
 
@@ -39,7 +40,7 @@ def write_recipe(folder: Path, model_dir: Path, data: Path, max_steps: int, save
 
 def liger_train(recipe: Path, *extra: str) -> subprocess.CompletedProcess:
     argv = [sys.executable, "-m", "liger_cli", "train", str(recipe), *extra]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    return subprocess.run(argv, capture_output=True, text=True, timeout=900)  # generous: a shared machine
 
 
 def metrics(out: Path) -> list[dict]:
@@ -48,15 +49,17 @@ def metrics(out: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir: Path, tmp_path_factory) -> dict:
-    """A 4-step run (checkpoints at 2 and 4) and a 2-step run made 4 steps long by a resume."""
+    """A 4-step run (checkpoints at 2 and 4) and a 2-step run, trained one after the other in ONE process
+    (tests/dist_driver.py: `liger train`'s training, case after case); then the 2-step run made 4 steps
+    long by a resume, a fresh `liger train` as after a crash."""
     root = tmp_path_factory.mktemp("reference")
     data = write_pairs(root / "pairs.jsonl")
     found: dict = {"data": data}
     for name, steps in (("long", 4), ("short", 2)):
         recipe = write_recipe(root / name, tiny_model_dir, data, steps, save_every=2)
-        proc = liger_train(recipe)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        found[name] = {"recipe": recipe, "out": recipe.parent / "out", "proc": proc}
+        found[name] = {"recipe": recipe, "out": recipe.parent / "out"}
+    cases = [{"recipe": str(found[name]["recipe"])} for name in ("long", "short")]
+    found["fresh"] = run_driver({"cases": cases}, root, nproc=1, timeout=900)  # asserts exit 0
     short = found["short"]["out"]
     found["mtime"] = os.stat(short / REFERENCE_FILE).st_mtime_ns
     proc = liger_train(
@@ -68,9 +71,11 @@ def runs(tiny_model_dir: Path, tmp_path_factory) -> dict:
 
 
 def test_a_fresh_run_computes_the_table_and_starts_at_policy_equals_reference(runs) -> None:
-    proc, out = runs["long"]["proc"], runs["long"]["out"]
-    assert "reference log-probs: computed for 36 train / 12 eval pairs" in proc.stdout
-    assert "start check: step 1 has policy == reference (rewards 0, loss 0.6931" in proc.stdout
+    proc, out = runs["fresh"], runs["long"]["out"]
+    for line in ("reference log-probs: computed for 36 train / 12 eval pairs",  # each of the 2 fresh runs
+                "start check: step 1 has policy == reference (rewards 0, loss 0.6931"):  # fmt: skip
+        assert proc.stdout.count(line) == 2, proc.stdout[-3000:]
+    assert (out / REFERENCE_FILE).is_file()
     lines = metrics(out)
     first_eval = next(x for x in lines if "eval_loss" in x)
     assert first_eval["step"] == 0 and first_eval["eval_loss"] == pytest.approx(math.log(2), abs=1e-6)
