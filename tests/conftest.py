@@ -30,7 +30,30 @@ REPO = Path(__file__).resolve().parents[1]
 # Seconds each of the slowest files took in the last measured run (docs/testing.md): they start first,
 # so the last file to start is a short one and both workers finish together. A file not listed starts
 # after these, in alphabetical order.
-SLOW_FILES: dict[str, int] = {}
+SLOW_FILES: dict[str, int] = {
+    "test_distributed.py": 200,
+    "test_deepspeed.py": 180,
+    "test_vlm_distributed.py": 150,
+    "test_grpo_train.py": 140,
+    "test_qlora.py": 130,
+    "test_generate_cli.py": 120,
+    "test_vlm_model.py": 110,
+    "test_generate_backends.py": 100,
+    "test_resume.py": 90,
+    "test_grpo_backends.py": 85,
+    "test_train.py": 80,
+    "test_preference_train.py": 75,
+    "test_vlm_generate.py": 70,
+    "test_output_safety.py": 60,
+    "test_saved_is_trained.py": 55,
+    "test_reference_logps.py": 50,
+    "test_bench.py": 45,
+    "test_accumulation_runs.py": 40,
+    "test_vlm_kernels.py": 35,
+    "test_vlm_wrap.py": 30,
+    "test_kernel_sweep.py": 25,
+    "test_memory_plan.py": 20,
+}
 
 
 @pytest.hookimpl(tryfirst=True)
