@@ -122,7 +122,9 @@ def main() -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--ab-steps", type=int, default=10)
     parser.add_argument("--sweep-variants", help="bench/kernels.py --variants (default: all of them)")
-    parser.add_argument("--test-workers", type=int, default=0, help="pytest-xdist workers for the tests")
+    parser.add_argument(
+        "--test-workers", type=int, default=0, help="pytest-xdist workers for the tests (0: one process)"
+    )
     parser.add_argument(
         "--timeouts", default="3600,5400,3600", help="seconds for the tests, the sweep and the A/B"
     )
@@ -153,7 +155,7 @@ def main() -> int:
         path.write_text("\n".join(report + (tail if final else ["(still running)"]) + [""]))
 
     print("gpu_report: GPU tests", flush=True)
-    workers = ["-n", str(args.test_workers)] if args.test_workers else []
+    workers = ["-n", str(args.test_workers)]  # 0: one process (pyproject's addopts would start 2)
     code, out, secs = run(
         [sys.executable, "-m", "pytest", "-q", "-rs", *workers, *GPU_TESTS], test_s, {"TRITON_INTERPRET": "0"}
     )
