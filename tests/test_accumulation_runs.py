@@ -27,7 +27,7 @@ ACCUMULATION_AGREES = (
 )
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 def test_micro_batch_accumulation_and_processes_train_the_same_model(assets, tmp_path) -> None:  # noqa: F811
     rows = [json.loads(line) for line in assets["data"].read_text().splitlines()]
     assert len({len(r["output"]) for r in rows[:16]}) > 4  # uneven label counts: padding is needed

@@ -258,7 +258,7 @@ def test_a_hub_name_offline_is_one_line_exit_2(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------------ two processes
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 def test_two_processes_tokenize_once_and_share_the_cache(tmp_path):
     """2 gloo processes (DDP): the main process builds the one entry while the other waits on the store,
     then reads it (a hit); the run trains."""

@@ -263,7 +263,7 @@ def generate_one(run: Path, row: dict, tmp_path: Path, *args: str) -> str:
     return generated(out)[0]["completion"]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 def test_chat_streams_the_reply_generate_gives(run: Path, tmp_path: Path) -> None:
     """An instruction run: a message continued with a backslash (instruction, then input) is answered as
     `liger generate` answers the same prompt. With --format chat the conversation is kept: the second

@@ -82,7 +82,7 @@ def one_process(assets) -> dict[str, Path]:
     return outs
 
 
-@pytest.mark.timeout(500)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_two_processes_train_the_one_process_grpo_run(backend, assets, one_process, tmp_path) -> None:
     if backend == "deepspeed":

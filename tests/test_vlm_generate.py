@@ -153,7 +153,7 @@ def test_image_prompts_complete_as_transformers_generate_does(
         assert mine["logprobs"] == pytest.approx(other["logprobs"], abs=1e-5)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 def test_chat_with_an_image_replies_what_generate_gives(run: Path, prompts: Path, tmp_path: Path) -> None:
     """--image for the first message, /image for a later one: each reply is generate's for the same
     conversation; the images stay in it."""
