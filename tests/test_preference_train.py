@@ -161,9 +161,8 @@ def write_pairs(path: Path, n: int = 48) -> Path:
     return path
 
 
-def train(
-    tmp_path: Path, model_dir: Path, objective: str, *extra: str
-) -> tuple[subprocess.CompletedProcess, Path]:
+def write_train_recipe(tmp_path: Path, model_dir: Path, objective: str) -> tuple[Path, Path]:
+    """The recipe `train` runs (a LoRA run of `objective` on 48 pairs, 3 steps) and its output folder."""
     data = write_pairs(tmp_path / "pairs.jsonl")
     out = tmp_path / f"out-{objective}"
     recipe = tmp_path / f"{objective}.yaml"
@@ -176,16 +175,34 @@ def train(
         f"output: {{dir: {out}}}\n"
         "logging: {every: 1}\n"
     )
+    return recipe, out
+
+
+def train(
+    tmp_path: Path, model_dir: Path, objective: str, *extra: str
+) -> tuple[subprocess.CompletedProcess, Path]:
+    recipe, out = write_train_recipe(tmp_path, model_dir, objective)
     proc = subprocess.run(
         [sys.executable, "-m", "liger_cli", "train", str(recipe), *extra],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     return proc, out
 
 
-def test_dpo_run_logs_every_metric_starts_at_ln2_and_saves_an_adapter(tmp_path, tiny_model_dir):
-    proc, out = train(tmp_path, tiny_model_dir, "dpo")
+@pytest.fixture(scope="module")
+def dpo_run(tiny_model_dir, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """One `liger train` of the DPO recipe, 4 steps with checkpoints at 2 and 4: the run whose metrics
+    and adapter the tests read, and the uninterrupted run a resume must reproduce."""
+    tmp_path = tmp_path_factory.mktemp("dpo-run")
+    proc, out = train(
+        tmp_path, tiny_model_dir, "dpo", "--set", "training.max_steps=4", "--set", "output.save_every=2"
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc, out
+
+
+def test_dpo_run_logs_every_metric_starts_at_ln2_and_saves_an_adapter(dpo_run):
+    proc, out = dpo_run
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     first_eval = next(x for x in lines if "eval_loss" in x)
     assert first_eval["step"] == 0
@@ -200,28 +217,36 @@ def test_dpo_run_logs_every_metric_starts_at_ln2_and_saves_an_adapter(tmp_path, 
     assert (out / "final" / "adapter_model.safetensors").is_file()
 
 
-@pytest.mark.parametrize("objective", ["simpo", "orpo"])
-def test_reference_free_objectives_train_and_need_no_reference(tmp_path, tiny_model_dir, objective):
-    proc, out = train(tmp_path, tiny_model_dir, objective, "--set", "adapter.type=none")
-    assert proc.returncode == 0, proc.stderr[-2000:]
+REFERENCE_FREE = ["simpo", "orpo"]
+
+
+@pytest.fixture(scope="module")
+def reference_free_runs(tiny_model_dir, tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
+    """SimPO and ORPO, full fine-tuning, trained one after the other in ONE process (tests/dist_driver.py:
+    `liger train`'s training, case after case): the CLI itself is the DPO runs' to prove."""
+    from test_distributed import run_driver
+
+    tmp_path = tmp_path_factory.mktemp("reference-free")
+    cases, outs = [], {}
+    for objective in REFERENCE_FREE:
+        recipe, outs[objective] = write_train_recipe(tmp_path, tiny_model_dir, objective)
+        recipe.write_text(
+            recipe.read_text().replace("adapter: {type: lora, r: 4, alpha: 8}", "adapter: {type: none}")
+        )
+        cases.append({"recipe": str(recipe)})
+    return run_driver({"cases": cases}, tmp_path, nproc=1, timeout=900), outs
+
+
+# DPO with full fine-tuning (no adapter to disable: a reference table computed before step 1) is proved
+# end to end by tests/test_reference_logps.py: the table's values, its storage and its resume.
+@pytest.mark.parametrize("objective", REFERENCE_FREE)
+def test_reference_free_objectives_train_and_need_no_reference(reference_free_runs, objective):
+    proc, outs = reference_free_runs  # the driver asserts exit 0
+    out = outs[objective]
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(math.isfinite(x["loss"]) for x in lines if "loss" in x)
-    assert "start check" not in proc.stdout
+    assert "start check" not in proc.stdout  # neither run checks a reference
     assert (out / "final" / "model.safetensors").is_file()
-
-
-def test_dpo_without_an_adapter_trains_against_precomputed_reference_logprobs(tmp_path, tiny_model_dir):
-    """Full fine-tuning has no adapter to disable: the reference is a table computed before step 1
-    (tests/test_reference_logps.py proves its values, its storage and resume)."""
-    proc, out = train(tmp_path, tiny_model_dir, "dpo", "--set", "adapter.type=none")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "reference log-probs: computed for 36 train / 12 eval pairs" in proc.stdout
-    assert "start check: step 1 has policy == reference" in proc.stdout
-    train_lines = [
-        x for x in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in x
-    ]
-    assert train_lines[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)
-    assert (out / "reference_logps.safetensors").is_file() and (out / "final" / "model.safetensors").is_file()
 
 
 def test_dry_run_plans_two_sequences_per_pair(tmp_path):
@@ -312,16 +337,14 @@ def metrics(out: Path, key: str = "loss") -> list[float]:
     return [x[key] for x in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if key in x]
 
 
-def test_dpo_resume_is_bit_identical(tmp_path, tiny_model_dir):
+def test_dpo_resume_is_bit_identical(tmp_path, tiny_model_dir, dpo_run):
     """A DPO run resumed from its step-2 checkpoint (adapter, optimizer, schedule, RNG) logs the same
     steps 3-4 and saves the same adapter as the run that went through."""
     from safetensors.torch import load_file
 
-    whole, out = train(tmp_path, tiny_model_dir, "dpo", "--set", "training.max_steps=4",
-                       "--set", "output.save_every=2")  # fmt: skip
-    assert whole.returncode == 0, whole.stderr[-2000:]
+    _, out = dpo_run
     resumed_out = tmp_path / "resumed"
-    resumed, _ = train(tmp_path, tiny_model_dir, "dpo", "--set", "training.max_steps=4",
+    resumed, _ = train(out.parent, tiny_model_dir, "dpo", "--set", "training.max_steps=4",
                        "--set", "output.save_every=2", "--set", f"output.dir={resumed_out}",
                        "--set", f"output.resume={out / 'checkpoints' / 'step-2'}")  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-2000:]
@@ -341,7 +364,7 @@ def test_dora_dpo_merges_into_a_model_that_gives_the_adapters_logits(tmp_path, t
     assert "final model verified" in proc.stdout
     merged = subprocess.run(
         [sys.executable, "-m", "liger_cli", "merge", str(out), str(tmp_path / "merged")],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert merged.returncode == 0, merged.stderr[-2000:]
     assert "merge verified" in merged.stdout and (tmp_path / "merged" / "model.safetensors").is_file()
@@ -350,13 +373,17 @@ def test_dora_dpo_merges_into_a_model_that_gives_the_adapters_logits(tmp_path, t
 def test_bench_on_a_dpo_recipe_compares_kernels_on_and_off(tmp_path, tiny_model_dir):
     """`liger bench` trains the preference recipe twice (fused log-probs on, then every kernel off);
     both start from policy == reference, so their first losses agree (ln 2)."""
-    proc, _ = train(tmp_path, tiny_model_dir, "dpo", "--dry-run")  # writes the recipe; nothing trained
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    from liger_cli.plan.dry_run import dry_run
+    from liger_cli.recipe import load_recipe
+
+    recipe, _ = write_train_recipe(tmp_path, tiny_model_dir, "dpo")
+    loaded = load_recipe(recipe, [])  # what `liger train --dry-run` prints, in-process: it plans
+    assert loaded.to_yaml() and dry_run(loaded)
     bench = tmp_path / "bench"
     proc = subprocess.run(
         [sys.executable, "-m", "liger_cli", "bench", str(tmp_path / "dpo.yaml"), "--steps", "1", "--warmup", "1",
          "--out", str(bench)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads((bench / "bench.json").read_text())
