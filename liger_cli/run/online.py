@@ -61,11 +61,17 @@ class Sampler:
         """One trajectory per prompt row (rows repeat for a group), keyed for its randomness."""
         if self.tools is None:
             completions = self([r["prompt_ids"] for r in rows], keys, greedy)
-            found = []
+            stops, found = set(self.stop_ids), []
             for row, key, c in zip(rows, keys, completions, strict=True):
                 segment = Segment(list(row["prompt_ids"]))
                 segment.add(c.ids, True, c.full_logprobs)
-                found.append(Trajectory(str(key), [], [segment], turns=1, finish_reason=c.finish_reason))
+                text = self.tokenizer.decode([t for t in c.ids if t not in stops], skip_special_tokens=True)
+                prompt = json.loads(row["prompt"])
+                asked = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+                messages = [*asked, {"role": "assistant", "content": text}]
+                found.append(
+                    Trajectory(str(key), messages, [segment], turns=1, finish_reason=c.finish_reason)
+                )
             return found
         found = []
         for row, key in zip(rows, keys, strict=True):
@@ -85,13 +91,11 @@ class Sampler:
         self.tools_s += stats.tools_s
         return found
 
-    def text(self, trajectory: Trajectory) -> str:
-        """What reward functions get as the completion: the last model turn's text (its answer)."""
-        if trajectory.messages:
-            return str(trajectory.messages[-1].get("content") or "")
-        stops = set(self.stop_ids)
-        ids = trajectory.segments[-1].ids
-        return self.tokenizer.decode([t for t in ids if t not in stops], skip_special_tokens=True)
+    @staticmethod
+    def text(trajectory: Trajectory) -> str:
+        """What reward functions get as the completion: the last model turn's text (its answer; a single
+        turn's is its ids decoded without stop and special tokens)."""
+        return str(trajectory.messages[-1].get("content") or "")
 
     def any_live(self, local: bool) -> bool:
         """Whether any process still has a trajectory running."""
