@@ -70,7 +70,7 @@ def train_warm_start(steps: int) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=100)
     args = parser.parse_args()
     write_data()
     train_warm_start(args.steps)
