@@ -101,7 +101,8 @@ class RLSection(_Section):
             self.epsilon_high = self.epsilon
         if self.tools and self.environment:
             raise ValueError("rl.tools and rl.environment: give one (an environment's methods are its tools)")
-        if "max_turns" in self.model_fields_set and not self.agentic:
+        default = type(self).model_fields["max_turns"].default  # what a run's saved recipe.yaml holds
+        if self.max_turns != default and not self.agentic:
             raise ValueError("rl.max_turns applies to runs with rl.tools or rl.environment; remove it")
         return self
 
