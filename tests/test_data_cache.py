@@ -31,9 +31,9 @@ def encodes(monkeypatch) -> list[str]:
     calls: list[str] = []
     real = build._encode
 
-    def counting(rows, source, data_cfg, tokenizer):
+    def counting(rows, source, data_cfg, tokenizer, tools=None):
         calls.append(str(source))
-        return real(rows, source, data_cfg, tokenizer)
+        return real(rows, source, data_cfg, tokenizer, tools)
 
     monkeypatch.setattr(build, "_encode", counting)
     return calls
@@ -117,6 +117,33 @@ def test_each_part_of_the_key_rebuilds(tok, tmp_path, encodes):
         split, _ = prepare_data(cfg(data, tmp_path, **changed), tok, seed=7)
         assert split.cache.startswith("hit")
     assert len(encodes) == n
+
+
+def test_prompts_rendered_with_tools_are_their_own_entries(tmp_path, encodes):
+    """Agentic RL renders prompts with the tools' schemas: other tools, another entry (never the ids of a
+    prompt rendered without them); the same tools, a hit."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(RECIPES / "agent" / "tokenizer")
+    data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"What is the code for {i}?"} for i in range(4)])
+    settings = cfg(data, tmp_path, format="prompt", max_seq_len=256)
+    schema = lambda name: [{"type": "function", "function": {"name": name, "description": "d"}}]  # noqa: E731
+    plain, _ = prepare_data(settings, tok, seed=0)
+    lookup, _ = prepare_data(settings, tok, seed=0, tools=schema("lookup"))
+    other, _ = prepare_data(settings, tok, seed=0, tools=schema("search"))
+    again, _ = prepare_data(settings, tok, seed=0, tools=schema("lookup"))
+    assert (
+        len(encodes) == 3
+        and again.cache.startswith("hit")
+        and len({_entry(x) for x in (plain, lookup, other)}) == 3
+    )
+    ids = [x.dataset[0]["prompt_ids"] for x in (plain, lookup, other, again)]
+    assert ids[0] != ids[1] != ids[2] and ids[1] == ids[3]
+    assert (
+        "lookup: d" in tok.decode(ids[1])
+        and "<|user|>" in tok.decode(ids[1])
+        and "<|user|>" not in tok.decode(ids[0])
+    )
 
 
 def test_a_corrupt_entry_is_rebuilt_never_read(tok, tmp_path, encodes, caplog):
