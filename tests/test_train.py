@@ -36,6 +36,57 @@ def liger(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     )
 
 
+def liger_here(*args: str) -> subprocess.CompletedProcess:
+    """`liger ARGS` in this process (typer's CliRunner), returned as `liger` returns a real process: for
+    the further cases of a command whose real process other tests start (docs/testing.md, rule 6), about
+    6 s of imports saved each. An exception that escapes the command is written to stderr as the
+    traceback a real process would print (so `"Traceback" not in stderr` still catches it), with exit 1.
+
+    What a run changes process-wide is put back, so later tests of this worker see nothing of it: the
+    environment, warning filters, transformers' log level and progress bars, the DeepSpeed logger's level
+    and accelerate's singletons. peft is imported first (bitsandbytes visible, as in the worker), so the
+    command does not hide bitsandbytes from the rest of the worker (`hide_bitsandbytes_unless_quantized`
+    leaves a process alone once peft is imported). glibc's mmap threshold, which a CPU launch lowers to
+    1 MiB, stays lowered: it only makes freed memory go back to the OS sooner."""
+    import logging
+    import os
+    import traceback
+    import warnings
+
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+    from transformers.utils import logging as hf_logging
+    from typer.testing import CliRunner
+
+    from liger_cli import cli, process_state
+
+    process_state.silence_hub_kernel_notice()
+    import peft  # noqa: F401  (before the command: see the docstring)
+
+    env = dict(os.environ)
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    deepspeed_level = logging.getLogger("DeepSpeed").level
+    accelerate_was_set = bool(PartialState._shared_state)
+    try:
+        with warnings.catch_warnings():
+            result = CliRunner().invoke(cli.app, list(args))
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+        hf_logging.set_verbosity(verbosity)
+        (hf_logging.enable_progress_bar if bars else hf_logging.disable_progress_bar)()
+        logging.getLogger("DeepSpeed").setLevel(deepspeed_level)
+        process_state.reset_for_new_run()
+        if not accelerate_was_set:
+            PartialState._reset_state()
+            AcceleratorState._reset_state(reset_partial_state=True)
+            GradientState._reset_state()
+    stderr = result.stderr
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        stderr += "Traceback (most recent call last):\n" + "".join(traceback.format_tb(result.exc_info[2]))
+        stderr += f"{type(result.exception).__name__}: {result.exception}\n"
+    return subprocess.CompletedProcess(["liger", *args], result.exit_code, result.stdout, stderr)
+
+
 # A driver that trains in-process and simulates a crash at a chosen point, in a fresh process.
 CRASH_DRIVER = """
 import os, signal, sys
