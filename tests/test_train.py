@@ -87,6 +87,29 @@ def liger_here(*args: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(["liger", *args], result.exit_code, result.stdout, stderr)
 
 
+IN_ONE_PROCESS = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from test_train import liger_here
+
+commands = json.loads(sys.argv[2])
+done = [liger_here(*args) for args in commands]
+print(json.dumps([[p.returncode, p.stdout, p.stderr] for p in done]))
+"""
+
+
+def liger_in_one_process(*commands: list[str], timeout: int = 900) -> list[subprocess.CompletedProcess]:
+    """Several `liger` commands one after the other in ONE fresh process, each through liger_here (its
+    own exit code, stdout and stderr): what several runs cost with one process's imports."""
+    proc = subprocess.run(
+        [sys.executable, "-c", IN_ONE_PROCESS, str(Path(__file__).resolve().parent), json.dumps(commands)],
+        capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.splitlines()[-1])
+    return [subprocess.CompletedProcess(["liger", *c], *f) for c, f in zip(commands, found, strict=True)]
+
+
 # A driver that trains in-process and simulates a crash at a chosen point, in a fresh process.
 CRASH_DRIVER = """
 import os, signal, sys
