@@ -88,19 +88,27 @@ def liger_here(*args: str) -> subprocess.CompletedProcess:
 
 
 IN_ONE_PROCESS = """
-import json, sys
+import ctypes, gc, json, sys
 sys.path.insert(0, sys.argv[1])
 from test_train import liger_here
 
-commands = json.loads(sys.argv[2])
-done = [liger_here(*args) for args in commands]
+done = []
+for args in json.loads(sys.argv[2]):
+    done.append(liger_here(*args))
+    gc.collect()
+    try:  # the freed heap back to the OS: the next command starts from what it holds, as a fresh process
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc
 print(json.dumps([[p.returncode, p.stdout, p.stderr] for p in done]))
 """
 
 
 def liger_in_one_process(*commands: list[str], timeout: int = 900) -> list[subprocess.CompletedProcess]:
     """Several `liger` commands one after the other in ONE fresh process, each through liger_here (its
-    own exit code, stdout and stderr): what several runs cost with one process's imports."""
+    own exit code, stdout and stderr): what several runs cost with one process's imports. Between two
+    commands the garbage is collected and glibc's freed heap given back to the OS. Only what the
+    command prints through Python's sys.stdout is its stdout: a launch's ranks write to the process's."""
     proc = subprocess.run(
         [sys.executable, "-c", IN_ONE_PROCESS, str(Path(__file__).resolve().parent), json.dumps(commands)],
         capture_output=True, text=True, timeout=timeout,
