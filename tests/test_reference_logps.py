@@ -180,7 +180,13 @@ def copied_run(runs, tmp_path: Path) -> tuple[Path, Path]:
 
 
 def resume_step2(recipe: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    return liger_train(recipe, "--set", f"output.resume={out / 'checkpoints' / 'step-2'}", *extra)
+    """A resume from step 2 that must be refused, in this process (test_train.liger_here: the command's
+    exit code and one-line error); the resumes that train are real processes."""
+    from test_train import liger_here
+
+    return liger_here(
+        "train", str(recipe), "--set", f"output.resume={out / 'checkpoints' / 'step-2'}", *extra
+    )
 
 
 def test_a_changed_data_file_is_refused_on_resume(runs, tmp_path: Path) -> None:
