@@ -251,7 +251,9 @@ def test_output_dir_protection(uninterrupted: Path, tmp_path: Path) -> None:
     text = (uninterrupted / "recipe.yaml").read_text()
     recipe = tmp_path / "r.yaml"
     recipe.write_text(text)
-    proc = liger("train", str(recipe), "--set", f"output.dir={foreign}", "--set", "output.overwrite=true")
+    proc = liger_here(
+        "train", str(recipe), "--set", f"output.dir={foreign}", "--set", "output.overwrite=true"
+    )
     assert proc.returncode == 2 and "not a liger run folder" in proc.stderr
     assert (foreign / "thesis.tex").read_text() == "do not delete"
 
@@ -302,5 +304,5 @@ def test_merge_gives_the_adapter_models_logits(
     ids = torch.randint(0, merged.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, adapter(ids).logits, atol=1e-5, rtol=1e-5)
-    again = liger("merge", str(uninterrupted), str(merged_dir))
+    again = liger_here("merge", str(uninterrupted), str(merged_dir))  # the refusal, in this process
     assert again.returncode == 2 and "--overwrite" in again.stderr
