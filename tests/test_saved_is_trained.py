@@ -63,7 +63,7 @@ sys.argv = ["liger", "train", recipe]
 cli.main()
 """
 
-# The further cases, one after the other in ONE process (a process costs ~6 s of imports): each
+# The other cases, one after the other in ONE process (a process costs ~6 s of imports): each
 # `liger train` (or the merge) through the CLI in that process (test_train.liger_here: exit code,
 # stdout and stderr of each command, an escaped exception as a traceback on its stderr).
 CASES_DRIVER = f"""
@@ -113,16 +113,9 @@ def error_lines(proc: subprocess.CompletedProcess) -> list[str]:
     return [line for line in proc.stderr.splitlines() if line.startswith("error:")]
 
 
-@pytest.fixture(scope="module")
-def lora_run(tiny_model_dir: Path, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
-    """A LoRA run saved untouched, a real `liger train` process: the merge case below merges it too."""
-    root = tmp_path_factory.mktemp("saved")
-    recipe = write_recipe(tiny_model_dir, root, "lora", adapter="{type: lora}")
-    return run(TAMPER_DRIVER, str(recipe), "none"), root / "lora"
-
-
 # name: (adapter section, tampering, output section or None). "zero-lora-b" is a real process (below).
 CASES = {
+    "lora": ("{type: lora}", "none", None),  # saved untouched: the merge case merges it too
     "none": ("{type: none}", "none", None),
     "drop-norm": ("{type: none}", "drop-norm", None),
     "alpha": ("{type: lora}", "alpha", None),
@@ -131,11 +124,11 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def cases(lora_run, tiny_model_dir: Path, tmp_path_factory) -> tuple[dict, Path]:
-    """CASES, then `liger merge` of lora_run with a merge that merged nothing, in one process. Returns
-    each case's CompletedProcess (the merge's as "merge") and the folder of their outputs."""
+def cases(tiny_model_dir: Path, tmp_path_factory) -> tuple[dict, Path]:
+    """CASES, then `liger merge` of the "lora" run with a merge that merged nothing, in one process.
+    Returns each case's CompletedProcess (the merge's as "merge") and the folder of their outputs."""
     root = tmp_path_factory.mktemp("cases")
-    spec: dict = {"train": [], "merge_nothing": [str(lora_run[1]), str(root / "merged")]}
+    spec: dict = {"train": [], "merge_nothing": [str(root / "lora"), str(root / "merged")]}
     recipes = {}
     for name, (adapter, mode, output) in CASES.items():
         extra = {"output": output.format(out=root / name)} if output else {}
@@ -153,12 +146,15 @@ def cases(lora_run, tiny_model_dir: Path, tmp_path_factory) -> tuple[dict, Path]
     return procs, root
 
 
+@pytest.fixture(scope="module")
+def lora_run(cases) -> tuple[subprocess.CompletedProcess, Path]:
+    """The LoRA run saved untouched (the first of `cases`, in that process's fresh start)."""
+    return cases[0]["lora"], cases[1] / "lora"
+
+
 @pytest.mark.parametrize("adapter", ["lora", "none"])
-def test_a_run_reloads_its_final_output_and_says_verified(adapter, lora_run, cases) -> None:
-    if adapter == "lora":
-        proc, out = lora_run
-    else:
-        proc, out = cases[0][adapter], cases[1] / adapter
+def test_a_run_reloads_its_final_output_and_says_verified(adapter, cases) -> None:
+    proc, out = cases[0][adapter], cases[1] / adapter
     assert proc.returncode == 0, proc.stderr[-3000:]
     verdict = [line for line in proc.stdout.splitlines() if line.startswith("final model verified")]
     assert len(verdict) == 1 and "every tensor equal" in verdict[0], proc.stdout[-2000:]
