@@ -221,31 +221,40 @@ REFERENCE_FREE = ["simpo", "orpo"]
 
 
 @pytest.fixture(scope="module")
-def reference_free_runs(tiny_model_dir, tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
-    """SimPO and ORPO, full fine-tuning, trained one after the other in ONE process (tests/dist_driver.py:
-    `liger train`'s training, case after case): the CLI itself is the DPO runs' to prove."""
-    from test_distributed import run_driver
+def later_runs(dpo_run, tiny_model_dir, tmp_path_factory) -> dict:
+    """In ONE process (test_train.liger_in_one_process: each command its own exit code and output):
+    the DPO run resumed from its step-2 checkpoint, a DoRA DPO run and `liger merge` of it, then SimPO
+    and ORPO with full fine-tuning."""
+    from test_train import liger_in_one_process
 
-    tmp_path = tmp_path_factory.mktemp("reference-free")
-    cases, outs = [], {}
+    _, out = dpo_run
+    recipe = out.parent / "dpo.yaml"  # dpo_run's recipe
+    root = tmp_path_factory.mktemp("later")
+    dora_recipe, dora_out = write_train_recipe(root, tiny_model_dir, "dpo")
+    outs = {"resumed": root / "resumed", "dora": dora_out, "merged": root / "merged"}
+    commands = [
+        ["train", str(recipe), "--set", "training.max_steps=4", "--set", "output.save_every=2",
+         "--set", f"output.dir={outs['resumed']}", "--set", f"output.resume={out / 'checkpoints' / 'step-2'}"],
+        ["train", str(dora_recipe), "--set", "adapter.type=dora"],
+        ["merge", str(dora_out), str(outs["merged"])],
+    ]  # fmt: skip
     for objective in REFERENCE_FREE:
-        recipe, outs[objective] = write_train_recipe(tmp_path, tiny_model_dir, objective)
-        recipe.write_text(
-            recipe.read_text().replace("adapter: {type: lora, r: 4, alpha: 8}", "adapter: {type: none}")
-        )
-        cases.append({"recipe": str(recipe)})
-    return run_driver({"cases": cases}, tmp_path, nproc=1, timeout=900), outs
+        free_recipe, outs[objective] = write_train_recipe(root, tiny_model_dir, objective)
+        commands.append(["train", str(free_recipe), "--set", "adapter.type=none"])
+    procs = liger_in_one_process(*commands)
+    return {"resumed": procs[0], "dora": procs[1], "merge": procs[2], "outs": outs,
+            **dict(zip(REFERENCE_FREE, procs[3:], strict=True))}  # fmt: skip
 
 
 # DPO with full fine-tuning (no adapter to disable: a reference table computed before step 1) is proved
 # end to end by tests/test_reference_logps.py: the table's values, its storage and its resume.
 @pytest.mark.parametrize("objective", REFERENCE_FREE)
-def test_reference_free_objectives_train_and_need_no_reference(reference_free_runs, objective):
-    proc, outs = reference_free_runs  # the driver asserts exit 0
-    out = outs[objective]
+def test_reference_free_objectives_train_and_need_no_reference(later_runs, objective):
+    proc, out = later_runs[objective], later_runs["outs"][objective]
+    assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(math.isfinite(x["loss"]) for x in lines if "loss" in x)
-    assert "start check" not in proc.stdout  # neither run checks a reference
+    assert "start check" not in proc.stdout  # the run checks no reference
     assert (out / "final" / "model.safetensors").is_file()
 
 
@@ -335,26 +344,6 @@ def test_the_accumulation_check_proves_the_pair_loss_and_catches_a_mean_per_micr
 
 def metrics(out: Path, key: str = "loss") -> list[float]:
     return [x[key] for x in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if key in x]
-
-
-@pytest.fixture(scope="module")
-def later_runs(dpo_run, tiny_model_dir, tmp_path_factory) -> dict:
-    """In ONE process (test_train.liger_in_one_process: each command its own exit code and output):
-    the DPO run resumed from its step-2 checkpoint, a DoRA DPO run, and `liger merge` of it."""
-    from test_train import liger_in_one_process
-
-    _, out = dpo_run
-    recipe = out.parent / "dpo.yaml"  # dpo_run's recipe
-    root = tmp_path_factory.mktemp("later")
-    dora_recipe, dora_out = write_train_recipe(root, tiny_model_dir, "dpo")
-    outs = {"resumed": root / "resumed", "dora": dora_out, "merged": root / "merged"}
-    resumed, dora, merged = liger_in_one_process(
-        ["train", str(recipe), "--set", "training.max_steps=4", "--set", "output.save_every=2",
-         "--set", f"output.dir={outs['resumed']}", "--set", f"output.resume={out / 'checkpoints' / 'step-2'}"],
-        ["train", str(dora_recipe), "--set", "adapter.type=dora"],
-        ["merge", str(dora_out), str(outs["merged"])],
-    )  # fmt: skip
-    return {"resumed": resumed, "dora": dora, "merge": merged, "outs": outs}
 
 
 def test_dpo_resume_is_bit_identical(dpo_run, later_runs):
