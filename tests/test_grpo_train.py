@@ -18,7 +18,7 @@ import yaml
 from safetensors.torch import load_file
 from test_distributed import run_driver
 from test_output_safety import one_line_error
-from test_train import QUICK_DATA, liger, liger_here, recipe_text
+from test_train import QUICK_DATA, liger, liger_here, liger_in_one_process, recipe_text
 
 TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 # Generous: this file's runs share the machine with another worker's 2-process tests.
@@ -37,17 +37,23 @@ def write_prompts(path: Path, source: Path, n: int) -> Path:
 
 @pytest.fixture(scope="module")
 def setup(tiny_model_dir: Path, tmp_path_factory) -> dict:
-    """A short SFT run (its adapter starts GRPO) and prompt files from the quickstart's data."""
+    """A short SFT run (its adapter starts GRPO), prompt files from the quickstart's data, and the GRPO
+    run the tests read (`run`): the two `liger train` commands in one fresh process
+    (test_train.liger_in_one_process: each its own exit code and output)."""
     root = tmp_path_factory.mktemp("grpo")
     sft = root / "sft"
     recipe = root / "sft.yaml"
     recipe.write_text(recipe_text(tiny_model_dir, sft, training="{max_steps: 4, micro_batch_size: 8, lr: 1.0e-2, seed: 1}",
                                   output=f"{{dir: {sft}, overwrite: true}}"))  # fmt: skip
-    proc = liger("train", str(recipe), timeout=TIMEOUT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
     train = write_prompts(root / "train.jsonl", QUICK_DATA / "train.jsonl", 16)
     evald = write_prompts(root / "eval.jsonl", QUICK_DATA / "eval.jsonl", 6)
-    return {"root": root, "model": tiny_model_dir, "sft": sft / "final", "train": train, "eval": evald}
+    found = {"root": root, "model": tiny_model_dir, "sft": sft / "final", "train": train, "eval": evald}
+    found["run"] = root / "run"
+    sft_proc, found["run_proc"] = liger_in_one_process(
+        ["train", str(recipe)], ["train", str(grpo_recipe(found, found["run"]))], timeout=2 * TIMEOUT
+    )
+    assert sft_proc.returncode == 0, sft_proc.stderr[-3000:]
+    return found
 
 
 def grpo_recipe(setup: dict, out: Path, **over) -> Path:
@@ -79,11 +85,10 @@ def metrics(out: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def run(setup) -> Path:
-    out = setup["root"] / "run"
-    proc = liger("train", str(grpo_recipe(setup, out)), timeout=TIMEOUT)
+    proc = setup["run_proc"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "final model verified" in proc.stdout and "sample: " in proc.stdout
-    return out
+    return setup["run"]
 
 
 def test_a_grpo_run_writes_every_completion_and_its_figures(run: Path) -> None:
