@@ -93,5 +93,6 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, loss: str, max_new_token
 
 
 def loss_units(mask: torch.Tensor, loss: str) -> torch.Tensor:
-    """What the step's sum is divided by, for these rows: completions, or completion tokens (dapo)."""
-    return mask.sum() if loss == "dapo" else torch.tensor(mask.shape[0], device=mask.device)
+    """What the step's sum is divided by, for these rows: completions (rows with a learned token: a row
+    left wholly out of the loss is not one), or completion tokens (dapo)."""
+    return mask.sum() if loss == "dapo" else (mask.sum(1) > 0).sum()

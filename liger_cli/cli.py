@@ -277,6 +277,15 @@ FormatOption = Annotated[
     ),
 ]
 KernelsOption = Annotated[bool, typer.Option(help="Patch our RMSNorm, RoPE and SwiGLU kernels in.")]
+ToolsOption = Annotated[
+    list[str] | None,
+    typer.Option("--tools", help="A function the model may call, FILE.py:name (repeat for several)."),
+]
+EnvironmentOption = Annotated[
+    str | None,
+    typer.Option(help="A class FILE.py:Name whose public methods are the tools (one instance per prompt)."),
+]
+MaxTurnsOption = Annotated[int, typer.Option(min=1, help="Most model turns per prompt with tools.")]
 
 
 def _sampling(max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int):
@@ -306,12 +315,16 @@ def generate_(
     logprobs: Annotated[bool, typer.Option(help="Add each token's log-probability to the output.")] = False,
     format_: FormatOption = None,
     kernels: KernelsOption = False,
+    tools: ToolsOption = None,
+    environment: EnvironmentOption = None,
+    max_turns: MaxTurnsOption = 4,
 ) -> None:
     """Complete a file of prompts with a trained model, rendered exactly as the run trained it."""
     from liger_cli.serve.generate import Options, generate_command
 
     sampling = _sampling(max_new_tokens, temperature, top_p, top_k, seed)
-    options = Options(sampling, num_return_sequences, batch_size, logprobs, kernels, format_)
+    options = Options(sampling, num_return_sequences, batch_size, logprobs, kernels, format_, tuple(tools or ()),
+                      environment, max_turns)  # fmt: skip
     raise typer.Exit(generate_command(run_or_model, prompts, out, adapter, options, echo=typer.echo))
 
 
@@ -333,12 +346,18 @@ def chat(
             help="An image for your first message (a vision-language run); /image PATH in the chat."
         ),
     ] = None,
+    tools: ToolsOption = None,
+    environment: EnvironmentOption = None,
+    max_turns: MaxTurnsOption = 4,
 ) -> None:
     """Chat with a trained model in the terminal; replies stream as they are generated."""
     from liger_cli.serve.chat import chat_command
 
     sampling = _sampling(max_new_tokens, temperature, top_p, top_k, seed)
-    raise typer.Exit(chat_command(run_or_model, adapter, sampling, kernels, format_, system, image=image))
+    agent = (tuple(tools or ()), environment, max_turns)
+    raise typer.Exit(
+        chat_command(run_or_model, adapter, sampling, kernels, format_, system, image=image, agent=agent)
+    )
 
 
 def main() -> None:

@@ -7,6 +7,10 @@ measured here, and the result is written in docs/rl.md.
 
     python scripts/check_grpo_recipe.py              # exit 0: 6 evals, the last >= the first + 0.15
     python scripts/check_grpo_recipe.py --out DIR    # keep the run's folder (default: a temporary one)
+
+recipes/agent.yaml's claim (agentic RL: docs/agents.md) is measured the same way:
+
+    python scripts/check_grpo_recipe.py --recipe recipes/agent.yaml --evals 5
 """
 
 from __future__ import annotations
@@ -26,24 +30,31 @@ RAISE = 0.15  # what the recipe's claim needs: the last eval at least this much 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="the run's output folder (default: a temporary one)")
+    parser.add_argument(
+        "--recipe", type=Path, default=REPO / "recipes" / "grpo.yaml", help="the recipe to run"
+    )
+    parser.add_argument("--evals", type=int, default=6, help="evaluations the run makes (step 0 included)")
+    parser.add_argument(
+        "--gain", type=float, default=RAISE, help="how far the last eval must be above the first"
+    )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="liger-grpo-claim-") as tmp:
         out = (args.out or Path(tmp) / "grpo").resolve()
-        argv = [sys.executable, "-m", "liger_cli", "train", str(REPO / "recipes" / "grpo.yaml"),
+        argv = [sys.executable, "-m", "liger_cli", "train", str(args.recipe.resolve()),
                 "--set", f"output.dir={out}"]  # fmt: skip
         start = time.perf_counter()
         proc = subprocess.run(argv, capture_output=True, text=True)
         wall = time.perf_counter() - start
         if proc.returncode != 0:
             print(proc.stdout[-2000:] + proc.stderr[-3000:])
-            print(f"grpo recipe: FAILED, exit {proc.returncode}")
+            print(f"{args.recipe.name}: FAILED, exit {proc.returncode}")
             return 1
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [(m["step"], m["eval_reward"]) for m in rows if "eval_reward" in m]
     print("eval_reward by step: " + ", ".join(f"{step}: {value:.2f}" for step, value in evals))
-    ok = len(evals) == 6 and evals[-1][1] >= evals[0][1] + RAISE
-    print(f"grpo recipe: {'passed' if ok else 'FAILED'}: {evals[0][1]:.2f} -> {evals[-1][1]:.2f} "
-          f"(needs +{RAISE}), {len(evals)} evals, {wall:.0f} s")  # fmt: skip
+    ok = len(evals) == args.evals and evals[-1][1] >= evals[0][1] + args.gain
+    print(f"{args.recipe.name}: {'passed' if ok else 'FAILED'}: {evals[0][1]:.2f} -> {evals[-1][1]:.2f} "
+          f"(needs +{args.gain}), {len(evals)} evals, {wall:.0f} s")  # fmt: skip
     return 0 if ok else 1
 
 

@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 # after these, in alphabetical order.
 SLOW_FILES: dict[str, int] = {
     "test_distributed.py": 273,
+    "test_agent_train.py": 250,
     "test_memory_plan.py": 205,
     "test_preference_train.py": 170,
     "test_qlora.py": 158,

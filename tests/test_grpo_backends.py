@@ -1,7 +1,8 @@
 """GRPO with 2 real processes on gloo trains what 1 process trains, under DDP, FSDP-1, FSDP-2 and ZeRO-3:
 the same completions (sampling keyed by step, prompt row and completion, not by process), the same
 rewards and losses per step, and the same adapter (or, with full fine-tuning, the same weights: the
-KL term's reference is then each rank's stored share of the starting weights, swapped in). The 1-process
+KL term's reference is then each rank's stored share of the starting weights, swapped in); and a
+multi-turn run with a tool on the shipped agent model, the same trajectories and adapter. The 1-process
 run takes the same global batch (2 prompts x 2 micro-batches x 2 processes = 2 x 4 x 1), each prompt
 with its 4 completions. Every backend's runs share ONE 2-process launch (tests/dist_driver.py: a launch
 costs 10-20 s of imports per process), ZeRO-3 last."""
@@ -19,6 +20,7 @@ from safetensors.torch import load_file
 from test_distributed import run_driver
 
 QUICK = Path(__file__).resolve().parents[1] / "recipes" / "quickstart" / "data"
+AGENT = Path(__file__).resolve().parents[1] / "recipes" / "agent"
 TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 BACKENDS = {"ddp": {}, "fsdp1": {}, "fsdp2": {}, "deepspeed": {"zero_stage": 3}}  # DeepSpeed last (below)
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
@@ -68,6 +70,29 @@ def recipe(assets: dict, out: Path, backend: str = "none", tuning: str = "lora",
     return path
 
 
+def agent_recipe(assets: dict, out: Path, backend: str = "none", **distributed) -> Path:
+    """A multi-turn run on the shipped agent model (recipes/agent): tool calls, results appended."""
+    world = 1 if backend == "none" else 2
+    root = assets["root"]
+    prompts = root / "agent-prompts.jsonl"
+    prompts.write_text("".join((AGENT / "train.jsonl").read_text().splitlines(keepends=True)[:8]))
+    data = {
+        "model": {"path": str(AGENT / "model")},
+        "adapter": {"type": "lora", "r": 4, "alpha": 8},
+        "data": {"train": str(prompts), "format": "prompt", "max_seq_len": 256},
+        "training": {"objective": "grpo", "max_steps": 2, "micro_batch_size": 1, "grad_accum": 2 // world,
+                     "lr": 5.0e-3, "scheduler": "constant", "seed": 3},
+        "rl": {"num_generations": 4, "max_new_tokens": 80, "max_turns": 2, "loss": "dapo",
+               "tools": [f"{AGENT / 'tools.py'}:lookup"], "rewards": [{"function": f"{AGENT / 'rewards.py'}:correct"}]},
+        "output": {"dir": str(out)},
+        "logging": {"every": 1, "tensorboard": False},
+        "distributed": {"backend": backend, "num_processes": world, **distributed},
+    }  # fmt: skip
+    path = out.parent / f"{out.name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
 def steps(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -81,15 +106,17 @@ def one_process(assets) -> dict[str, Path]:
     """The 1-process runs, LoRA and full fine-tuning, that every 2-process run must reproduce."""
     outs = {tuning: assets["root"] / f"ref-{tuning}" for tuning in ("lora", "full")}
     cases = [{"recipe": str(recipe(assets, out, tuning=tuning))} for tuning, out in outs.items()]
-    run_driver({"cases": cases}, assets["root"], nproc=1, timeout=400)
+    outs["agent"] = assets["root"] / "ref-agent"
+    cases.append({"recipe": str(agent_recipe(assets, outs["agent"]))})
+    run_driver({"cases": cases}, assets["root"], nproc=1, timeout=600)
     return outs
 
 
 @pytest.fixture(scope="module")
 def backend_runs(assets, tmp_path_factory) -> dict[str, dict[str, Path]]:
-    """Every backend's LoRA and full-fine-tuning runs in ONE 2-process launch, ZeRO-3 last (DeepSpeed
-    keeps its own state: nothing runs after it); accelerate's state is reset between runs, as between
-    the cases of one backend. Per backend: its outputs by tuning."""
+    """Every backend's LoRA, full-fine-tuning and multi-turn agent runs in ONE 2-process launch, ZeRO-3
+    last (DeepSpeed keeps its own state: nothing runs after it); accelerate's state is reset between
+    runs, as between the cases of one backend. Per backend: its outputs by tuning ("agent" included)."""
     root = tmp_path_factory.mktemp("grpo-backends")
     outs: dict[str, dict[str, Path]] = {}
     cases = []
@@ -99,17 +126,40 @@ def backend_runs(assets, tmp_path_factory) -> dict[str, dict[str, Path]]:
         outs[backend] = {tuning: root / f"{backend}-{tuning}" for tuning in ("lora", "full")}
         cases += [{"recipe": str(recipe(assets, out, backend, tuning, **distributed))}
                   for tuning, out in outs[backend].items()]  # fmt: skip
-    run_driver({"cases": cases}, root, nproc=2, timeout=900)
+        outs[backend]["agent"] = root / f"{backend}-agent"
+        cases.append({"recipe": str(agent_recipe(assets, outs[backend]["agent"], backend, **distributed))})
+    run_driver({"cases": cases}, root, nproc=2, timeout=1500)
     return outs
 
 
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_two_processes_train_the_one_process_grpo_run(backend, one_process, backend_runs) -> None:
     if backend == "deepspeed" and not HAS_DEEPSPEED:
         pytest.skip("DeepSpeed is not installed (scripts/setup.sh installs it)")
     for tuning, out in backend_runs[backend].items():
+        if tuning == "agent":  # multi-turn: the same trajectories (ids, mask, messages) and adapter
+            same_trajectories(out, one_process[tuning])
+            continue
         same_run(out, one_process[tuning], "adapter_model" if tuning == "lora" else "model")
+
+
+def same_trajectories(out: Path, reference: Path) -> None:
+    key = lambda r: (r["step"], r["prompt"], r["completion_ids"])  # noqa: E731 - order within a step
+    got, want = sorted(rollouts(out), key=key), sorted(rollouts(reference), key=key)
+    assert len(got) == len(want) == 2 * 2 * 4
+    for mine, theirs in zip(got, want, strict=True):
+        for name in ("completion_ids", "completion_mask", "messages", "turns", "finish_reason", "reward"):
+            assert mine[name] == theirs[name], name
+        assert mine["advantage"] == pytest.approx(theirs["advantage"], abs=1e-5)
+    assert sum(r["tool_calls"] for r in got) > 0  # the trajectories call the tool
+    for mine, theirs in zip(steps(out), steps(reference), strict=True):
+        for name in ("loss", "reward", "turns", "tool/calls"):
+            assert mine[name] == pytest.approx(theirs[name], abs=1e-5), name
+    got_w, want_w = (load_file(p / "final" / "adapter_model.safetensors") for p in (out, reference))
+    assert got_w.keys() == want_w.keys() and got_w
+    for name in want_w:
+        torch.testing.assert_close(got_w[name], want_w[name], atol=2e-5, rtol=1e-4, msg=name)
 
 
 def same_run(out: Path, reference: Path, weights: str) -> None:

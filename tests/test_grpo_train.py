@@ -24,7 +24,8 @@ TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Respon
 # Generous: this file's runs share the machine with another worker's 2-process tests.
 TIMEOUT = 900
 pytestmark = pytest.mark.timeout(1800)
-ROLLOUT_FIELDS = ["step", "prompt", "prompt_ids", "completion", "completion_ids", "sampler_logprobs", "rewards",
+ROLLOUT_FIELDS = ["step", "prompt", "prompt_ids", "completion", "completion_ids", "completion_mask",
+                  "sampler_logprobs", "messages", "turns", "tool_calls", "tool_errors", "finish_reason", "rewards",
                   "reward", "advantage"]  # fmt: skip
 
 
@@ -100,6 +101,12 @@ def test_a_grpo_run_writes_every_completion_and_its_figures(run: Path) -> None:
         assert set(r["rewards"]) == {"exact_match", "short"}
         assert r["reward"] == pytest.approx(r["rewards"]["exact_match"] + 0.5 * r["rewards"]["short"])
         assert len(r["sampler_logprobs"]) == len(r["completion_ids"]) <= 8
+        # A single turn: every id after the prompt was sampled; the conversation ends with its text.
+        assert r["completion_mask"] == [1] * len(r["completion_ids"]) and r["turns"] == 1
+        assert r["messages"][-1] == {"role": "assistant", "content": r["completion"]}
+        assert r["finish_reason"] == "stop" or (
+            r["finish_reason"] == "length" and len(r["completion_ids"]) == 8
+        )
     groups = [rollouts[k : k + 4] for k in range(0, 48, 4)]
     for group in groups:  # one prompt per group; advantages centred within it
         assert len({json.dumps(r["prompt"]) for r in group}) == 1

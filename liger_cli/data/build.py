@@ -79,10 +79,10 @@ class DataConfig(Protocol):
     packing: bool
 
 
-def build_datasets(data_cfg: DataConfig, tokenizer, seed: int):
+def build_datasets(data_cfg: DataConfig, tokenizer, seed: int, tools: list[dict] | None = None):
     """Load, validate, tokenize (and maybe pack) the train and eval data: (train, eval or None), each a
     `datasets.Dataset` of `{"input_ids", "labels", "position_ids"}`. See `prepare_data`."""
-    train, evald = prepare_data(data_cfg, tokenizer, seed)
+    train, evald = prepare_data(data_cfg, tokenizer, seed, tools=tools)
     return train.dataset, evald.dataset if evald is not None else None
 
 
@@ -93,11 +93,12 @@ def build_eval_dataset(data_cfg: DataConfig, tokenizer, seed: int):
 
 
 def prepare_data(
-    data_cfg: DataConfig, tokenizer, seed: int, include_train: bool = True
+    data_cfg: DataConfig, tokenizer, seed: int, include_train: bool = True, tools: list[dict] | None = None
 ) -> tuple[Split | None, Split | None]:
     """Every user mistake (missing file, unknown extension, bad JSON, missing or mistyped field, chat
     template problems) is a UserError naming the file, the row and the field, raised before any
-    tokenizing starts (template problems: when that row is tokenized).
+    tokenizing starts (template problems: when that row is tokenized). `tools`: the JSON schemas prompts
+    (format prompt) are rendered with, for a run whose model may call tools (liger_cli.data.tools).
 
     Each source is tokenized once into an encoded table (every row, kept or not), read from the cache
     when it holds one (liger_cli.data.cache); the eval split, the mixture of several sources
@@ -122,13 +123,13 @@ def prepare_data(
         _check_tokenizer(tokenizer, source.format)
 
     # Every miss is read and validated before any tokenizing starts.
-    entries = [look_up(source, data_cfg, tokenizer) for source in train_sources + eval_sources]
+    entries = [look_up(source, data_cfg, tokenizer, tools) for source in train_sources + eval_sources]
     rows = {id(e): read_rows(e.source) for e in entries if e.table is None}
     for entry in entries:
         if entry.table is None:
             source_rows = rows.pop(id(entry))
             entry.processes = tokenizing_processes(data_cfg, len(source_rows))
-            keep(entry, _encode(source_rows, entry.source, data_cfg, tokenizer))
+            keep(entry, _encode(source_rows, entry.source, data_cfg, tokenizer, tools))
 
     train_parts, eval_parts = [], []
     for entry in entries[: len(train_sources)]:
@@ -201,7 +202,7 @@ def _shown_path(source: Source) -> Path:
     return source.path if isinstance(source.path, Path) else Path(str(source))
 
 
-def _encode(rows, source: Source, data_cfg: DataConfig, tokenizer):
+def _encode(rows, source: Source, data_cfg: DataConfig, tokenizer, tools: list[dict] | None = None):
     """The source's encoded table: one row per source row (see split.split_of)."""
     path = _shown_path(source)
     if source.format == "preference":
@@ -211,7 +212,7 @@ def _encode(rows, source: Source, data_cfg: DataConfig, tokenizer):
     if source.format == "prompt":
         from liger_cli.data.prompts import encode_prompts
 
-        return encode_prompts(rows, path, data_cfg, tokenizer)
+        return encode_prompts(rows, path, data_cfg, tokenizer, tools)
     return _encode_rows(rows, path, source.format, data_cfg, tokenizer)
 
 

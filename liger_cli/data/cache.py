@@ -55,7 +55,7 @@ def cache_root(data_cfg) -> Path | None:
     return Path(base).expanduser() / "liger" / "data"
 
 
-def entry_key(source: Source, data_cfg, tokenizer) -> str | None:
+def entry_key(source: Source, data_cfg, tokenizer, tools: list[dict] | None = None) -> str | None:
     """The entry's name; None when the tokenizer cannot be hashed (then nothing is cached)."""
     import tokenizers
     import transformers
@@ -75,6 +75,8 @@ def entry_key(source: Source, data_cfg, tokenizer) -> str | None:
         "tokenizer": tokenizer_part,
         "libraries": [transformers.__version__, tokenizers.__version__],
     }
+    if tools is not None:  # prompts rendered with the run's tool schemas (rl.tools)
+        parts["tools"] = tools
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
@@ -152,10 +154,10 @@ class Entry:
     """The tokenizer it is encoded with (an entry of image rows checks its processor's files)."""
 
 
-def look_up(source: Source, data_cfg, tokenizer) -> Entry:
+def look_up(source: Source, data_cfg, tokenizer, tools: list[dict] | None = None) -> Entry:
     """The source's entry, with its table on a hit (status "hit (path)"); no table on a miss or when off."""
     root = cache_root(data_cfg)
-    key = entry_key(source, data_cfg, tokenizer) if root is not None else None
+    key = entry_key(source, data_cfg, tokenizer, tools) if root is not None else None
     if key is None:
         return Entry(source)
     table = load_entry(root, key, tokenizer)

@@ -23,22 +23,37 @@ PROMPT_COLUMNS = ("prompt_ids", "prompt", "fields")
 fields (a JSON object)."""
 
 
-def prompt_ids(prompt, tokenizer) -> list[int]:
-    """The tokens a completion continues: a string after the tokenizer's prefix, or messages through
-    the chat template with its generation prompt."""
+def prompt_messages(prompt, tools: list[dict] | None) -> list[dict] | None:
+    """The conversation a prompt stands for: its messages; with tools a string is one user message (the
+    tools are described through the chat template); None for a string rendered as plain text."""
     if isinstance(prompt, str):
-        return _encode_with_prefix(tokenizer, prompt)[0]
-    from liger_cli.data.chat import _without_nulls, render
+        return [{"role": "user", "content": prompt}] if tools is not None else None
+    from liger_cli.data.chat import _without_nulls
 
-    text = render(tokenizer, _without_nulls(list(prompt)), generation_prompt=True)
+    return _without_nulls(list(prompt))
+
+
+def prompt_ids(prompt, tokenizer, tools: list[dict] | None = None) -> list[int]:
+    """The tokens a completion continues: a string after the tokenizer's prefix, or messages through
+    the chat template with its generation prompt (and the tools' schemas, given tools)."""
+    messages = prompt_messages(prompt, tools)
+    if messages is None:
+        return _encode_with_prefix(tokenizer, prompt)[0]
+    from liger_cli.data.chat import render
+
+    text = render(tokenizer, messages, tools, generation_prompt=True)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def encode_prompts(rows, path: Path, data_cfg, tokenizer):
+def encode_prompts(rows, path: Path, data_cfg, tokenizer, tools: list[dict] | None = None):
     """One encoded row per prompt row: PROMPT_COLUMNS, the row, its length, and the DROP_COLUMN and
     WARNINGS_COLUMN that `split_of` reads (a prompt is never dropped here: one too long for
     rl.max_new_tokens is refused by the run, which knows that number)."""
     path = Path(path)
+    if tools is not None:
+        from liger_cli.data.tools import check_template_takes_tools
+
+        check_template_takes_tools(tokenizer, tools)
 
     def encode_batch(batch: dict[str, list]) -> dict[str, list]:
         out: dict[str, list] = {
@@ -48,7 +63,7 @@ def encode_prompts(rows, path: Path, data_cfg, tokenizer):
             row = {k: v[j] for k, v in batch.items()}
             index = row.pop(ROW_COLUMN)
             try:
-                ids = prompt_ids(row["prompt"], tokenizer)
+                ids = prompt_ids(row["prompt"], tokenizer, tools)
             except ValueError as err:  # a template problem found while rendering this row
                 raise UserError(f"data error: {path} {where(path, index)}: {err}") from None
             out["prompt_ids"].append(ids)

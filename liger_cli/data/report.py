@@ -29,6 +29,7 @@ from liger_cli.data.columns import (
 from liger_cli.data.encode import IGNORE_INDEX
 from liger_cli.data.images import IMAGE_FILES, IMAGE_STARTS, IMAGE_TOKENS
 from liger_cli.data.preference import PAIR_COLUMNS
+from liger_cli.data.tools import tool_schemas
 from liger_cli.errors import UserError
 
 # Without colour (piped, NO_COLOR), learned tokens are written between these markers.
@@ -57,7 +58,9 @@ def data_command(recipe_path: Path, overrides: list[str], show: int = 0, jsonl: 
     level = data_logger.level
     data_logger.setLevel(logging.ERROR)  # the report below says everything the log lines would
     try:
-        train, evald = prepare_data(recipe.data, tokenizer, recipe.training.seed)
+        train, evald = prepare_data(
+            recipe.data, tokenizer, recipe.training.seed, tools=tool_schemas(recipe.rl)
+        )
     finally:
         data_logger.setLevel(level)
 

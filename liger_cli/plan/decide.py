@@ -159,6 +159,8 @@ def build_plan(recipe: Recipe, model: nn.Module | None = None, env: Mapping[str,
         )
     if device == "cpu" and any(kernels.values()):
         notes.append("on a CPU the kernels run their PyTorch paths (Triton needs a GPU)")
+    if recipe.rl is not None and recipe.rl.agentic:
+        notes.append(_rollout_note(recipe))
     return Plan(
         backend=dist.backend,
         num_processes=world,
@@ -180,6 +182,38 @@ def build_plan(recipe: Recipe, model: nn.Module | None = None, env: Mapping[str,
         trains=trains,
         notes=tuple(notes),
     )
+
+
+def _rollout_note(recipe: Recipe) -> str:
+    """How a multi-turn run's trajectories become samples: the chat template probed with a tool round trip
+    (liger_cli.generate.episodes.probe); a template that cannot take tools stops here (exit 2)."""
+    from liger_cli.data.tokenizer import load_tokenizer
+    from liger_cli.data.tools import check_template_takes_tools, load_tools
+    from liger_cli.generate.episodes import TurnRenderer, probe
+    from liger_cli.generate.prompts import Renderer
+
+    tokenizer = load_tokenizer(recipe)
+    tools = load_tools(recipe.rl)
+    check_template_takes_tools(tokenizer, tools.schemas)
+    stops = Renderer(tokenizer, "chat").stop_ids(_generation_config(recipe))
+    why = probe(TurnRenderer(tokenizer, tools.schemas, stops))
+    names = ", ".join(s["function"]["name"] for s in tools.schemas)
+    head = f"rollouts: up to {recipe.rl.max_turns} model turns with tools {names}"
+    if why is None:
+        return f"{head}; the chat template is append-only: one sample per trajectory, token in, token out"
+    return f"{head}; the chat template is not append-only ({why}): each model turn is its own sample"
+
+
+def _generation_config(recipe: Recipe):
+    """The model's generation_config.json (its eos ids stop a turn too), or None."""
+    from transformers import GenerationConfig
+
+    if recipe.model.path is None:
+        return None
+    try:
+        return GenerationConfig.from_pretrained(recipe.model.path)
+    except (OSError, ValueError):
+        return None
 
 
 def _quantize(recipe: Recipe) -> str:

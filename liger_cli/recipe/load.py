@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import typing
 from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
@@ -149,7 +150,9 @@ def _section_fields(loc: tuple) -> dict[str, Any]:
     for part in loc:
         field = model.model_fields.get(part) if model else None
         annotation = field.annotation if field else None
-        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+        # An optional section (`rl: RLSection | None`) is looked up through its union.
+        options = [annotation, *typing.get_args(annotation)]
+        model = next((a for a in options if isinstance(a, type) and issubclass(a, BaseModel)), None)
     return dict(model.model_fields) if model else {}
 
 

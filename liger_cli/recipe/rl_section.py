@@ -25,15 +25,19 @@ class RewardSpec(_Section):
     @field_validator("function")
     @classmethod
     def _spec(cls, value: str, info: ValidationInfo) -> str:
-        """A file is anchored at the recipe's folder, like every path."""
-        where, _, name = value.rpartition(":")
-        if not where or not name.isidentifier():
-            raise ValueError(
-                f"{value!r}: write file.py:function (a file beside the recipe) or package.module:function"
-            )
-        if where.endswith(".py"):
-            where = str(_resolve(Path(where), info))
-        return f"{where}:{name}"
+        return code_spec(value, info, "function")
+
+
+def code_spec(value: str, info: ValidationInfo, what: str) -> str:
+    """`file.py:name` or `package.module:name`; a file is anchored at the recipe's folder, like every path."""
+    where, _, name = value.rpartition(":")
+    if not where or not name.isidentifier():
+        raise ValueError(
+            f"{value!r}: write file.py:{what} (a file beside the recipe) or package.module:{what}"
+        )
+    if where.endswith(".py"):
+        where = str(_resolve(Path(where), info))
+    return f"{where}:{name}"
 
 
 class RLSection(_Section):
@@ -68,12 +72,44 @@ class RLSection(_Section):
     """What samples: liger's engine on the model being trained (the only one for now)."""
     rewards: list[RewardSpec] = Field(min_length=1)
     """The reward functions, each {function, weight}; rewards are their weighted sum."""
+    tools: list[str] = Field(default_factory=list)
+    """Functions the model may call, each `file.py:name` or `package.module:name` (typed arguments and a
+    docstring describing each: their JSON schemas go to the chat template's `tools=`)."""
+    environment: str | None = None
+    """A class `file.py:Name`: one instance per trajectory, built from its prompt row's other fields;
+    its public methods are the tools (instead of rl.tools)."""
+    max_turns: int = Field(4, ge=1)
+    """Most model turns per trajectory (with tools or an environment)."""
+    mask_truncated: bool = False
+    """Leave a trajectory cut by a limit (finish_reason length or max_turns) out of the loss."""
+    tool_workers: int = Field(4, ge=1)
+    """Threads that run tool calls; results are placed in a fixed order, never by timing."""
+
+    @field_validator("tools")
+    @classmethod
+    def _tool_specs(cls, value: list[str], info: ValidationInfo) -> list[str]:
+        return [code_spec(v, info, "function") for v in value]
+
+    @field_validator("environment")
+    @classmethod
+    def _environment_spec(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return None if value is None else code_spec(value, info, "Class")
 
     @model_validator(mode="after")
     def _ranges(self) -> RLSection:
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
+        if self.tools and self.environment:
+            raise ValueError("rl.tools and rl.environment: give one (an environment's methods are its tools)")
+        default = type(self).model_fields["max_turns"].default  # what a run's saved recipe.yaml holds
+        if self.max_turns != default and not self.agentic:
+            raise ValueError("rl.max_turns applies to runs with rl.tools or rl.environment; remove it")
         return self
+
+    @property
+    def agentic(self) -> bool:
+        """Multi-turn: the model may call tools between its turns."""
+        return bool(self.tools or self.environment)
 
 
 def check_rl(recipe) -> None:

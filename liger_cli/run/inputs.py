@@ -12,6 +12,7 @@ from liger_cli.data.batches import StepBatches, image_filler, total_steps, with_
 from liger_cli.data.build import build_eval_dataset
 from liger_cli.data.stream import StreamBatches, encoded_stream
 from liger_cli.data.tokenizer import load_tokenizer
+from liger_cli.data.tools import tool_schemas
 from liger_cli.errors import UserError
 from liger_cli.recipe import Recipe
 from liger_cli.run.shared_data import build_once
@@ -46,8 +47,9 @@ def load_data(recipe: Recipe, accelerator) -> Data:
     tokenizer = load_tokenizer(recipe)
     if recipe.data.streaming:
         return load_stream(recipe, accelerator, tokenizer)
+    tools = tool_schemas(recipe.rl)  # prompts describe the tools a multi-turn run's model may call
     train_ds, eval_ds = build_once(
-        accelerator, recipe.data, lambda: build_datasets(recipe.data, tokenizer, t.seed)
+        accelerator, recipe.data, lambda: build_datasets(recipe.data, tokenizer, t.seed, tools)
     )
     world = accelerator.num_processes
     batches = StepBatches(len(train_ds), t.micro_batch_size, world, accelerator.process_index, t.seed)

@@ -16,30 +16,90 @@ from pathlib import Path
 
 import torch
 
+from liger_cli.data.prompts import prompt_messages
+from liger_cli.data.tools import load_tools
 from liger_cli.errors import UserError
 from liger_cli.generate.engine import Sampling, generate
+from liger_cli.generate.episodes import Segment, Trajectory, TurnRenderer, probe, run_episodes
 from liger_cli.generate.prompts import Renderer
 from liger_cli.model.objectives.grpo import ROLLOUTS_FILE
-from liger_cli.model.objectives.rewards import score
 
 
 class Sampler:
-    """sample(prompt_ids, keys, greedy=False) -> completions, on the model being trained."""
+    """trajectories(prompt rows, keys, greedy=False) -> Trajectories, sampled from the model being trained:
+    one model turn each, or, with rl.tools or rl.environment, episodes of turns and tool calls
+    (liger_cli.generate.episodes)."""
 
     def __init__(self, recipe, backend, model, tokenizer):
         rl = recipe.rl
+        self.rl, self.max_seq_len = rl, recipe.data.max_seq_len
         self.backend, self.model, self.tokenizer = backend, model, tokenizer
         self.sampling = Sampling(rl.max_new_tokens, rl.temperature, rl.top_p, rl.top_k, recipe.training.seed)
-        self.stop_ids = Renderer(tokenizer, "chat" if tokenizer.chat_template else "text").stop_ids()
+        config = getattr(getattr(model, "module", model), "generation_config", None)  # every eos id it names
+        self.stop_ids = Renderer(tokenizer, "chat" if tokenizer.chat_template else "text").stop_ids(config)
+        self.tools = load_tools(rl)
+        self.renderer = TurnRenderer(tokenizer, self.tools.schemas, self.stop_ids) if self.tools else None
+        self.per_turn_why = probe(self.renderer) if self.tools else None
+        """Why each model turn is its own sample (the template is not append-only), or None."""
+        self.tools_s = 0.0
+        """Seconds this process spent in tool calls so far."""
 
-    def __call__(self, prompts: list[list[int]], keys: list, greedy: bool = False):
+    def __call__(
+        self, prompts: list[list[int]], keys: list, greedy: bool = False, max_new_tokens: int | None = None
+    ):
         sampling = replace(self.sampling, temperature=0) if greedy else self.sampling
+        if max_new_tokens is not None:
+            sampling = replace(sampling, max_new_tokens=max_new_tokens)
         accelerator = self.backend.accelerator
         with self.backend.generation(self.model) as (module, any_running):
             return generate(
                 module, prompts, sampling, stop_ids=self.stop_ids, pad_id=self.tokenizer.pad_token_id,
                 keys=keys, any_running=any_running, device=accelerator.device,
             )  # fmt: skip
+
+    def trajectories(self, rows: list[dict], keys: list, greedy: bool = False) -> list[Trajectory]:
+        """One trajectory per prompt row (rows repeat for a group), keyed for its randomness."""
+        if self.tools is None:
+            completions = self([r["prompt_ids"] for r in rows], keys, greedy)
+            stops, found = set(self.stop_ids), []
+            for row, key, c in zip(rows, keys, completions, strict=True):
+                segment = Segment(list(row["prompt_ids"]))
+                segment.add(c.ids, True, c.full_logprobs)
+                text = self.tokenizer.decode([t for t in c.ids if t not in stops], skip_special_tokens=True)
+                prompt = json.loads(row["prompt"])
+                asked = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+                messages = [*asked, {"role": "assistant", "content": text}]
+                found.append(
+                    Trajectory(str(key), messages, [segment], turns=1, finish_reason=c.finish_reason)
+                )
+            return found
+        found = []
+        for row, key in zip(rows, keys, strict=True):
+            tools, environment = self.tools.bind(json.loads(row["fields"]), row["row"] + 1)
+            messages = prompt_messages(json.loads(row["prompt"]), self.tools.schemas)
+            found.append(
+                Trajectory(str(key), messages, [Segment(list(row["prompt_ids"]))], tools, environment)
+            )
+        rl = self.rl
+        sample = lambda prompts, keys, n: self(prompts, keys, greedy, n)  # noqa: E731
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+        stats = run_episodes(
+            found, sample, self.any_live, self.renderer, append=self.per_turn_why is None,
+            max_turns=rl.max_turns, max_new_tokens=rl.max_new_tokens, max_seq_len=self.max_seq_len,
+            tool_workers=rl.tool_workers, decode=decode,
+        )  # fmt: skip
+        self.tools_s += stats.tools_s
+        return found
+
+    @staticmethod
+    def text(trajectory: Trajectory) -> str:
+        """What reward functions get as the completion: the last model turn's text (its answer; a single
+        turn's is its ids decoded without stop and special tokens)."""
+        return str(trajectory.messages[-1].get("content") or "")
+
+    def any_live(self, local: bool) -> bool:
+        """Whether any process still has a trajectory running."""
+        return bool(self.reduce(torch.tensor([float(local)]), "max")[0] > 0)
 
     def reduce(self, values: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """A sum (or max) over the processes, in float64 on the CPU."""
@@ -84,26 +144,15 @@ def write_rollouts(out: Path, rows: list[dict], main: bool) -> None:
 
 
 def evaluate_rewards(objective, sampler: Sampler, dataset) -> dict[str, float]:
-    """`eval_reward` and `eval_rewards/<function>`: one greedy completion per eval prompt, scored."""
+    """`eval_reward` and `eval_rewards/<function>`: one greedy trajectory per eval prompt, scored."""
     world, rank = sampler.backend.accelerator.num_processes, sampler.backend.accelerator.process_index
     n = len(dataset)
     share = -(-n // world)
     mine = [i % n for i in range(rank * share, (rank + 1) * share)]  # padded by repeats: equal calls
     real = [rank * share + k < n for k in range(share)]
     prompts = [dataset[i] for i in mine]
-    completions = sampler(
-        [p["prompt_ids"] for p in prompts], [f"eval:{p['row']}" for p in prompts], greedy=True
-    )
-    stops = set(sampler.stop_ids)
-    texts = [
-        sampler.tokenizer.decode([t for t in c.ids if t not in stops], skip_special_tokens=True)
-        for c in completions
-    ]
-    fields_of = [json.loads(p["fields"]) for p in prompts]
-    names = sorted({k for f in fields_of for k in f})
-    fields = {name: [f.get(name) for f in fields_of] for name in names}
-    totals, per_function = score(objective.rewards, texts, [json.loads(p["prompt"]) for p in prompts],
-                                 [c.ids for c in completions], fields, [p["row"] + 1 for p in prompts])  # fmt: skip
+    trajectories = sampler.trajectories(prompts, [f"eval:{p['row']}" for p in prompts], greedy=True)
+    totals, per_function = objective.score(trajectories, prompts, sampler.text)
     keep = torch.tensor(real, dtype=torch.float64)
     sums = [(torch.tensor(totals, dtype=torch.float64) * keep).sum(), keep.sum()]
     for reward in objective.rewards:

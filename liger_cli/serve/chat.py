@@ -16,8 +16,10 @@ from pathlib import Path
 
 from liger_cli.errors import UserError
 from liger_cli.generate.engine import Sampling, generate, places_its_own_positions
+from liger_cli.generate.episodes import Segment
 from liger_cli.generate.load import chat_or_text, find_target, is_vision_model, load_model, load_tokenizer_for
 from liger_cli.generate.prompts import PromptError, Renderer, image_inputs, max_length
+from liger_cli.serve.agent import ToolSession, load_cli_tools
 
 HELP = "/reset forgets the conversation, /system TEXT sets a system message, /exit leaves"
 IMAGE_HELP = "/image PATH puts an image before your next message"
@@ -25,7 +27,7 @@ IMAGE_HELP = "/image PATH puts an image before your next message"
 
 def chat_command(
     run_or_model: Path, adapter: Path | None, sampling: Sampling, kernels: bool, fmt: str | None,
-    system: str | None, out=sys.stdout, image: Path | None = None,
+    system: str | None, out=sys.stdout, image: Path | None = None, agent: tuple = ((), None, 4),
 ) -> int:  # fmt: skip
     import torch
 
@@ -61,6 +63,17 @@ def chat_command(
         patch_proved_kernels(model, target, lambda line: (out.write(line + "\n"), out.flush()))
     stops = renderer.stop_ids(getattr(model, "generation_config", None))
     say = lambda text="", end="\n": (out.write(text + end), out.flush())  # noqa: E731
+    tools, environment, max_turns = agent
+    toolset = load_cli_tools(list(tools), environment, tokenizer, renderer.format)
+    if toolset is not None:
+        if images:
+            raise UserError("--tools with a vision-language model is not supported yet: chat without --tools")
+        session = ToolSession(
+            model, tokenizer, toolset, sampling, stops, device, max_turns, max_length(model.config)
+        )
+        names = ", ".join(t["function"]["name"] for t in toolset.schemas)
+        say(f"(tools: {names}; up to {max_turns} model turns a message; replies print as each turn ends)")
+        return _tool_chat(session, renderer, say)
     say(f"liger chat: {target.describe} (format {renderer.format}"
         f"{'' if keeps_history else ', each message answered on its own'}). {HELP}"
         f"{f'; {IMAGE_HELP}' if images else ''}.")  # fmt: skip
@@ -101,6 +114,58 @@ def chat_command(
         pending = None
         if keeps_history:
             history += [user, {"role": "assistant", "content": reply}]
+    return 0
+
+
+def _tool_chat(session, renderer: Renderer, say) -> int:
+    """The conversation as one trajectory, token in and token out as training built it: each message's
+    ids appended as the template renders them, each model turn's ids as sampled, tool results between."""
+    trajectory, count = None, 0
+    say(f"liger chat with tools. {HELP}.")
+    while (message := _read_message()) is not None:
+        command = message.strip()
+        if command == "/exit":
+            break
+        if command == "/reset" or command.startswith("/system"):
+            if command.startswith("/system"):
+                renderer.system = command[len("/system") :].strip() or None
+            trajectory = None
+            say("(conversation reset)")
+            continue
+        if not command:
+            continue
+        user = {"role": "user", "content": message}
+        if trajectory is None:
+            first = [{"role": "system", "content": renderer.system}] if renderer.system else []
+            trajectory = session.start([*first, user], "", {}, 1)
+        else:
+            added = (
+                session.renderer.environment_ids(trajectory.messages, [user])
+                if session.per_turn_why is None
+                else None
+            )
+            if added is None:
+                trajectory.segments.append(
+                    Segment(session.renderer.encode([*trajectory.messages, user], True))
+                )
+            else:
+                trajectory.segments[-1].add(added, False)
+            trajectory.messages.append(user)
+        trajectory.key, trajectory.finish_reason, count = f"chat{count}", None, count + 1
+        before = len(trajectory.messages)
+        session.run([trajectory])
+        for m in trajectory.messages[before:]:
+            if m["role"] == "tool":
+                say(f"[{m['name']} -> {m['content']}]")
+                continue
+            calls = "".join(
+                f" [call {c['function']['name']}({c['function']['arguments']})]"
+                for c in m.get("tool_calls", [])
+            )
+            say(f"{m['content']}{calls}")
+        if trajectory.finish_reason == "length":
+            say("(the conversation reached the model's length or --max-new-tokens: /reset to go on)")
+            trajectory = None
     return 0
 
 

@@ -3,7 +3,11 @@
 Each input row gives `--num-return-sequences` output rows: the input row's fields unchanged, plus
 `completion` (the text, without the stop token), `completion_ids` (the stop token included),
 `finish_reason` (`stop` / `length`), `sample_index` when there are several, and with `--logprobs`
-`logprobs` (each token under the distribution it was sampled from).
+`logprobs` (each token under the distribution it was sampled from). With `--tools` (or `--environment`)
+each row is a trajectory of up to `--max-turns` model turns with tool calls between them, run as
+training runs them (liger_cli.serve.agent): `completion` is the last turn's text, `completion_ids` every
+id after the prompt with `completion_mask` (1 sampled, 0 the environment's), and `messages`, `turns`,
+`tool_calls`, `tool_errors`, `finish_reason` (`stop`, `max_turns`, `length`).
 
 A chat row's user turn may hold image parts (`{"type": "image", "path": ...}` relative to the prompts
 file, or a data: URI), as training data does: the run's processor renders and expands them
@@ -35,6 +39,7 @@ from liger_cli.generate.prompts import (
     max_length,
     read_prompts,
 )
+from liger_cli.serve.agent import ToolSession, conversation, load_cli_tools, trajectory_fields
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,10 @@ class Options:
     logprobs: bool = False
     kernels: bool = False
     format: str | None = None
+    tools: tuple[str, ...] = ()
+    """`FILE.py:name` functions the model may call (liger_cli.serve.agent)."""
+    environment: str | None = None
+    max_turns: int = 4
 
 
 def check_options(options: Options) -> None:
@@ -82,6 +91,15 @@ def generate_command(
             "text-only prompts"
         )
     stops = renderer.stop_ids(getattr(model, "generation_config", None))
+    toolset = load_cli_tools(list(options.tools), options.environment, tokenizer, renderer.format)
+    if toolset is not None:
+        if any(images):
+            raise UserError(f"{prompts}: image prompts with --tools are not supported yet; give text prompts")
+        session = ToolSession(model, tokenizer, toolset, options.sampling, stops, device, options.max_turns,
+                              max_length(model.config))  # fmt: skip
+        messages = [conversation(renderer, row) for row in rows]
+        prompt_ids = [session.renderer.encode(m, generation_prompt=True) for m in messages]
+        check_lengths(prompt_ids, options.sampling.max_new_tokens, model.config, prompts)
 
     n = options.num_return_sequences
     sequences = [(i, r) for i in range(len(rows)) for r in range(n)]
@@ -92,6 +110,13 @@ def generate_command(
     tokens, start = 0, time.perf_counter()
     for batch in mine:
         batch_ids = [prompt_ids[i] for i, _ in batch]
+        if toolset is not None:  # episodes: turns, tool calls and results, token in and token out
+            found = [session.start(messages[i], i * n + r, _fields(rows[i]), i + 1) for i, r in batch]
+            session.run(found)
+            done.update(zip(batch, found, strict=True))
+            tokens += sum(sum(t.segments[0].mask) for t in found)
+            progress.update(len(batch))
+            continue
         found = generate(
             model, batch_ids, options.sampling, stop_ids=stops, pad_id=tokenizer.pad_token_id,
             keys=[i * n + r for i, r in batch], device=device, inputs=image_inputs([images[i] for i, _ in batch], batch_ids),
@@ -106,7 +131,9 @@ def generate_command(
         _write(out, [output_row(rows[i], done[(i, r)], tokenizer, r if n > 1 else None, options.logprobs)
                      for i, r in sequences])  # fmt: skip
         elapsed = time.perf_counter() - start
-        total = sum(len(c.ids) for c in done.values())
+        total = sum(
+            len(c.ids) if isinstance(c, Completion) else sum(c.segments[0].mask) for c in done.values()
+        )
         echo(f"wrote {len(sequences)} completions to {out} ({total} tokens, {total / max(elapsed, 1e-9):.1f} tokens/s"
              f"{f' over {world} processes' if world > 1 else ''}; model: {target.describe}, format {renderer.format})")  # fmt: skip
     return 0
@@ -146,7 +173,10 @@ def check_lengths(prompt_ids: list[list[int]], max_new_tokens: int, config, sour
             )
 
 
-def output_row(row: dict, completion: Completion, tokenizer, sample: int | None, logprobs: bool) -> dict:
+def output_row(row: dict, completion, tokenizer, sample: int | None, logprobs: bool) -> dict:
+    if not isinstance(completion, Completion):  # a trajectory with tools
+        out = {**row, **trajectory_fields(completion)}
+        return out | ({"sample_index": sample} if sample is not None else {})
     text_ids = completion.ids[:-1] if completion.finish_reason == "stop" else completion.ids
     out = {**row, "completion": tokenizer.decode(text_ids, skip_special_tokens=True),
            "completion_ids": completion.ids, "finish_reason": completion.finish_reason}  # fmt: skip
@@ -155,6 +185,11 @@ def output_row(row: dict, completion: Completion, tokenizer, sample: int | None,
     if logprobs:
         out["logprobs"] = [round(v, 6) for v in completion.logprobs]
     return out
+
+
+def _fields(row: dict) -> dict:
+    """A row's fields an environment is built from: all but the prompt itself."""
+    return {k: v for k, v in row.items() if k not in ("prompt", "messages")}
 
 
 def _check_out(out: Path, prompts: Path) -> None:

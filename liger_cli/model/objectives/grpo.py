@@ -75,7 +75,7 @@ class Grpo:
         if self._cached is not None and self._cached[0] == data_step:
             self.samples = []  # written when they were sampled
             return self._cached[1]
-        start = time.perf_counter()
+        start, tools_before = time.perf_counter(), getattr(sample, "tools_s", 0.0)
         micro, rows = [], []
         for prompts in examples:
             batch, found = self._sample(data_step, prompts, sample)
@@ -87,7 +87,13 @@ class Grpo:
             self._trainer_logps(model, batch)
         self.step_stats = self._stats(micro, rows, reduce)
         # This process's seconds: sampling and scoring, then the whole rollout (with the no-grad log-probs).
-        self.step_stats |= {"time/sampling_s": sampled - start, "time/rollout_s": time.perf_counter() - start}
+        tools = getattr(sample, "tools_s", 0.0) - tools_before
+        self.step_stats |= {
+            "time/sampling_s": sampled - start - tools,
+            "time/rollout_s": time.perf_counter() - start,
+        }
+        if self.rl.agentic:
+            self.step_stats["time/tools_s"] = tools
         self.samples = self._rows(step, micro, rows)
         self._cached = (data_step, micro)
         return micro
@@ -154,14 +160,18 @@ class Grpo:
 
     def twin_batch(self, vocab: int, pad_id: int, rows: int = 4, seed: int = 0) -> dict[str, torch.Tensor]:
         """Rollout rows as `rollout` makes them, with random ids below `vocab` (prompts and completions of
-        different lengths, advantages, old, sampler and reference log-probs), for the twin's checks: its kernels
-        and accumulation are proved on this objective's loss."""
+        different lengths, some with environment ids inside, advantages, old, sampler and reference log-probs),
+        for the twin's checks: its kernels and accumulation are proved on this objective's loss, tool tokens
+        left out of it on every path."""
         g = torch.Generator().manual_seed(seed)
         features = []
         for i in range(rows):
             prompt = torch.randint(3, vocab, (3 + i % 3,), generator=g).tolist()
             completion = torch.randint(3, vocab, (2 + (i * 5) % 7,), generator=g).tolist()
-            features.append({"input_ids": prompt + completion, "labels": [IGNORE_INDEX] * len(prompt) + completion,
+            learned = list(completion)
+            if len(learned) >= 5:  # an environment turn inside the completion: its ids are not learned
+                learned[2:4] = [IGNORE_INDEX] * 2
+            features.append({"input_ids": prompt + completion, "labels": [IGNORE_INDEX] * len(prompt) + learned,
                              "position_ids": list(range(len(prompt) + len(completion)))})  # fmt: skip
         batch = collate(features, pad_id)
         batch["completion_mask"] = _shifted(batch["labels"]) != IGNORE_INDEX
@@ -178,41 +188,61 @@ class Grpo:
     # --- a rollout, step by step --------------------------------------------------------------------
 
     def _sample(self, data_step: int, prompts: list[dict], sample) -> tuple[dict, list[dict]]:
-        """G completions of each prompt, scored; the micro-batch of prompt + completion rows."""
+        """G trajectories of each prompt, scored; the micro-batch of their samples (one row per trajectory,
+        or per model turn where the template is not append-only): prompt, then sampled ids learned and
+        environment ids not (`completion_mask`), each row knowing its trajectory."""
         g = self.rl.num_generations
-        ids = [p["prompt_ids"] for p in prompts for _ in range(g)]
+        rows = [p for p in prompts for _ in range(g)]
         keys = [f"{data_step}:{p['row']}:{k}" for p in prompts for k in range(g)]
-        completions = sample(ids, keys)
-        tokenizer = sample.tokenizer
-        stops = set(sample.stop_ids)
-        texts = [
-            tokenizer.decode([t for t in c.ids if t not in stops], skip_special_tokens=True)
-            for c in completions
-        ]
+        trajectories = sample.trajectories(rows, keys)
+        totals, per_function = self.score(trajectories, rows, sample.text)
+        found = [
+            {"prompt": json.loads(rows[i]["prompt"]), "prompt_ids": t.segments[0].prompt_ids,
+             "completion": sample.text(t), "completion_ids": t.segments[0].ids,
+             "completion_mask": t.segments[0].mask, "sampler_logprobs": t.segments[0].logprobs,
+             "messages": t.messages, "turns": t.turns, "tool_calls": t.tool_calls, "tool_errors": t.tool_errors,
+             "finish_reason": t.finish_reason, "rewards": {n: v[i] for n, v in per_function.items()},
+             "reward": totals[i], "sampled_tokens": sum(sum(s.mask) for s in t.segments)}
+            | ({"segments": [vars(s) for s in t.segments]} if len(t.segments) > 1 else {})
+            for i, t in enumerate(trajectories)
+        ]  # fmt: skip
+        features, owners, segments = [], [], []
+        for i, t in enumerate(trajectories):
+            left_out = self.rl.mask_truncated and t.finish_reason != "stop"  # cut by a limit: not learned
+            for seg in t.segments:
+                learned = [
+                    tok if m and not left_out else IGNORE_INDEX
+                    for tok, m in zip(seg.ids, seg.mask, strict=True)
+                ]
+                features.append({"input_ids": seg.prompt_ids + seg.ids,
+                                 "labels": [IGNORE_INDEX] * len(seg.prompt_ids) + learned,
+                                 "position_ids": list(range(len(seg.prompt_ids) + len(seg.ids)))})  # fmt: skip
+                owners.append(i)
+                segments.append(seg)
+        batch = collate(features, sample.tokenizer.pad_token_id)
+        batch["completion_mask"] = _shifted(batch["labels"]) != IGNORE_INDEX
+        batch["sampler_logp"] = _aligned(
+            [s.logprobs for s in segments], [len(s.prompt_ids) for s in segments], batch
+        )
+        batch["rewards"] = torch.tensor(totals, dtype=torch.float32)
+        batch["trajectory"] = torch.tensor(owners, dtype=torch.long)
+        return batch, found
+
+    def score(self, trajectories: list, prompts: list[dict], text) -> tuple[list[float], dict[str, list]]:
+        """Each trajectory's reward and each function's values; `prompts` are their prompt rows. Reward
+        functions get the completions (`text(trajectory)`: the last model turn's text) and, in a multi-turn
+        run, `messages` (and `environment` with rl.environment)."""
         fields_of = [json.loads(p["fields"]) for p in prompts]
         names = sorted({k for f in fields_of for k in f})
-        fields = {name: [f.get(name) for f in fields_of for _ in range(g)] for name in names}
-        as_written = [json.loads(p["prompt"]) for p in prompts for _ in range(g)]
-        rows = [p["row"] + 1 for p in prompts for _ in range(g)]
-        totals, per_function = score(
-            self.rewards, texts, as_written, [c.ids for c in completions], fields, rows
-        )
-        found = [
-            {"prompt": as_written[i], "prompt_ids": ids[i], "completion": texts[i], "completion_ids": c.ids,
-             "sampler_logprobs": c.full_logprobs, "rewards": {n: v[i] for n, v in per_function.items()},
-             "reward": totals[i], "finish_reason": c.finish_reason}
-            for i, c in enumerate(completions)
-        ]  # fmt: skip
-        features = [
-            {"input_ids": ids[i] + c.ids, "labels": [IGNORE_INDEX] * len(ids[i]) + c.ids,
-             "position_ids": list(range(len(ids[i]) + len(c.ids)))}
-            for i, c in enumerate(completions)
-        ]  # fmt: skip
-        batch = collate(features, tokenizer.pad_token_id)
-        batch["completion_mask"] = _shifted(batch["labels"]) != IGNORE_INDEX
-        batch["sampler_logp"] = _aligned([c.full_logprobs for c in completions], [len(i) for i in ids], batch)
-        batch["rewards"] = torch.tensor(totals, dtype=torch.float32)
-        return batch, found
+        fields = {name: [f.get(name) for f in fields_of] for name in names}
+        extra = {}
+        if self.rl.agentic:
+            extra["messages"] = [t.messages for t in trajectories]
+            if self.rl.environment:
+                extra["environment"] = [t.environment for t in trajectories]
+        ids = [[i for s in t.segments for i in s.ids] for t in trajectories]
+        return score(self.rewards, [text(t) for t in trajectories], [json.loads(p["prompt"]) for p in prompts],
+                     ids, fields, [p["row"] + 1 for p in prompts], extra)  # fmt: skip
 
     def _advantages(self, micro: list[dict], reduce) -> None:
         from liger_kernels.grpo import group_advantages
@@ -226,10 +256,11 @@ class Grpo:
             n = sums[2]
             mean = sums[0] / n
             batch_std = torch.sqrt(torch.clamp((sums[1] - n * mean**2) / torch.clamp(n - 1, min=1), min=0))
-        for batch in micro:
-            batch["advantages"] = group_advantages(
+        for batch in micro:  # per trajectory, then on each of its rows
+            batch["trajectory_advantages"] = group_advantages(
                 batch["rewards"], self.rl.num_generations, self.rl.scale_rewards, batch_std
             )
+            batch["advantages"] = batch["trajectory_advantages"][batch["trajectory"]]
 
     def _trainer_logps(self, model: nn.Module, batch: dict) -> None:
         """The trainer's log-probs of the sampled tokens under the weights that sampled them (no dropout,
@@ -267,7 +298,7 @@ class Grpo:
         """The step's rollout metrics over every completion of every process."""
         g = self.rl.num_generations
         rewards = torch.cat([b["rewards"] for b in micro]).double()
-        lengths = torch.tensor([len(r["completion_ids"]) for r in rows], dtype=torch.float64)
+        lengths = torch.tensor([r["sampled_tokens"] for r in rows], dtype=torch.float64)
         cut = torch.tensor([r["finish_reason"] == "length" for r in rows], dtype=torch.float64)
         zero_std = (rewards.view(-1, g).std(dim=1) < 1e-8).double()
         mask = torch.cat([b["completion_mask"].flatten() for b in micro]).double()
@@ -281,6 +312,9 @@ class Grpo:
             "groups": torch.tensor(float(zero_std.numel())), "tokens": mask.sum(),
             "abs_diff": diff.abs().sum(), "ratio": (ratio * mask).sum(),
         }  # fmt: skip
+        if self.rl.agentic:  # per trajectory: model turns, tool calls, tool errors
+            for name in ("turns", "tool_calls", "tool_errors"):
+                sums[name] = torch.tensor(float(sum(r[name] for r in rows)))
         for reward in self.rewards:
             values = [r["rewards"][reward.name] for r in rows]
             sums[f"{reward.name}_sum"] = torch.tensor(
@@ -305,21 +339,18 @@ class Grpo:
             "sampler/abs_logp_diff": total["abs_diff"] / tokens, "sampler/ratio_mean": total["ratio"] / tokens,
             "sampler/ratio_min": -extremes[2], "sampler/ratio_max": extremes[3],
         }  # fmt: skip
+        if self.rl.agentic:
+            stats |= {"turns": total["turns"] / n, "tool/calls": total["tool_calls"] / n,
+                      "tool/errors": total["tool_errors"] / n}  # fmt: skip
         return stats
 
     def _rows(self, step: int, micro: list[dict], rows: list[dict]) -> list[dict]:
-        advantages = torch.cat([b["advantages"] for b in micro]).tolist()
-        keep = (
-            "prompt",
-            "prompt_ids",
-            "completion",
-            "completion_ids",
-            "sampler_logprobs",
-            "rewards",
-            "reward",
-        )
+        """rollouts.jsonl's rows, one per trajectory: `completion_ids` every id after the prompt (sampled and
+        environment), `completion_mask` 1 where sampled, `sampler_logprobs` 0 where not; `segments` (each
+        sample's ids) when the trajectory was trained per turn."""
+        advantages = torch.cat([b["trajectory_advantages"] for b in micro]).tolist()
         return [
-            {"step": step + 1, **{k: r[k] for k in keep}, "advantage": a}
+            {"step": step + 1, **{k: v for k, v in r.items() if k != "sampled_tokens"}, "advantage": a}
             for r, a in zip(rows, advantages, strict=True)
         ]
 

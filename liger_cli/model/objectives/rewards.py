@@ -14,14 +14,11 @@ NaN or infinity, or something that is not a number.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
 import numbers
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
+from liger_cli.data.user_code import load_object, said
 from liger_cli.errors import UserError
 
 
@@ -51,43 +48,28 @@ def load_rewards(specs) -> list[Reward]:
 
 
 def _load(spec: str):
-    where, _, name = spec.rpartition(":")
-    if where.endswith(".py"):
-        path = Path(where)
-        if not path.is_file():
-            raise RewardError(f"rl.rewards: {spec}: no such file {path} (paths are relative to the recipe)")
-        module_name = f"liger_reward_{abs(hash(str(path)))}"
-        loader = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(loader)
-        try:
-            sys.modules[module_name] = module
-            loader.loader.exec_module(module)
-        except Exception as err:  # noqa: BLE001 - the user's file: any failure is theirs to fix
-            raise RewardError(f"rl.rewards: {spec}: importing {path} failed: {_said(err)}") from None
-    else:
-        try:
-            module = importlib.import_module(where)
-        except Exception as err:  # noqa: BLE001
-            raise RewardError(f"rl.rewards: {spec}: cannot import {where}: {_said(err)}") from None
-    function = getattr(module, name, None)
+    function = load_object(spec, "rl.rewards", RewardError)
     if not callable(function):
-        raise RewardError(f"rl.rewards: {spec}: {where} has no function {name}")
+        raise RewardError(f"rl.rewards: {spec}: {spec.rpartition(':')[2]} is not a function")
     return function
 
 
 def score(rewards: list[Reward], completions: list[str], prompts: list, completion_ids: list[list[int]],
-          fields: dict[str, list], rows: list[int]) -> tuple[list[float], dict[str, list[float | None]]]:  # fmt: skip
+          fields: dict[str, list], rows: list[int], extra: dict[str, list] | None = None,
+          ) -> tuple[list[float], dict[str, list[float | None]]]:  # fmt: skip
     """(each completion's total reward, each function's values); `rows` are the completions' prompt rows
-    (in their file), named in errors."""
+    (in their file), named in errors. `extra`: further keyword arguments, one value per completion (a
+    multi-turn run's `messages` and `environment`)."""
     per_function: dict[str, list[float | None]] = {}
     for reward in rewards:
-        kwargs = {"completions": completions, "prompts": prompts, "completion_ids": completion_ids, **fields}
+        kwargs = {"completions": completions, "prompts": prompts, "completion_ids": completion_ids, **fields,
+                  **(extra or {})}  # fmt: skip
         try:
             values = reward.function(**kwargs)
         except Exception as err:  # noqa: BLE001 - find the completion it fails on, for the message
             row = _failing_row(reward, kwargs, rows)
             raise RewardError(
-                f"reward {reward.name} ({reward.spec}) raised on prompt row {row}: {_said(err)}"
+                f"reward {reward.name} ({reward.spec}) raised on prompt row {row}: {said(err)}"
             ) from None
         per_function[reward.name] = _checked(reward, values, len(completions), rows)
     totals = [
@@ -130,8 +112,3 @@ def _failing_row(reward: Reward, kwargs: dict, rows: list[int]):
         except Exception:  # noqa: BLE001
             return row
     return "?"
-
-
-def _said(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
