@@ -43,8 +43,9 @@ def liger_here(*args: str) -> subprocess.CompletedProcess:
     traceback a real process would print (so `"Traceback" not in stderr` still catches it), with exit 1.
 
     What a run changes process-wide is put back, so later tests of this worker see nothing of it: the
-    environment, warning filters, transformers' log level and progress bars, the DeepSpeed logger's level
-    and accelerate's singletons. peft is imported first (bitsandbytes visible, as in the worker), so the
+    environment, warning filters, transformers' log level and progress bars, the DeepSpeed logger's level,
+    accelerate's singletons and the user's files it imported (rewards, tools: data/user_code.py keeps
+    them in sys.modules by path, where a fresh process would import them anew). peft is imported first (bitsandbytes visible, as in the worker), so the
     command does not hide bitsandbytes from the rest of the worker (`hide_bitsandbytes_unless_quantized`
     leaves a process alone once peft is imported). glibc's mmap threshold, which a CPU launch lowers to
     1 MiB, stays lowered: it only makes freed memory go back to the OS sooner."""
@@ -63,6 +64,7 @@ def liger_here(*args: str) -> subprocess.CompletedProcess:
     import peft  # noqa: F401  (before the command: see the docstring)
 
     env = dict(os.environ)
+    modules = set(sys.modules)
     verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     deepspeed_level = logging.getLogger("DeepSpeed").level
     accelerate_was_set = bool(PartialState._shared_state)
@@ -72,6 +74,9 @@ def liger_here(*args: str) -> subprocess.CompletedProcess:
     finally:
         os.environ.clear()
         os.environ.update(env)
+        for name in set(sys.modules) - modules:  # the user's files (rewards, tools): a fresh import next time
+            if name.startswith("liger_user_"):
+                del sys.modules[name]
         hf_logging.set_verbosity(verbosity)
         (hf_logging.enable_progress_bar if bars else hf_logging.disable_progress_bar)()
         logging.getLogger("DeepSpeed").setLevel(deepspeed_level)
