@@ -4,10 +4,12 @@ rewards and losses per step, and the same adapter (or, with full fine-tuning, th
 KL term's reference is then each rank's stored share of the starting weights, swapped in); and a
 multi-turn run with a tool on the shipped agent model, the same trajectories and adapter. The 1-process
 run takes the same global batch (2 prompts x 2 micro-batches x 2 processes = 2 x 4 x 1), each prompt
-with its 4 completions."""
+with its 4 completions. Every backend's runs share ONE 2-process launch (tests/dist_driver.py: a launch
+costs 10-20 s of imports per process), ZeRO-3 last."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -20,7 +22,8 @@ from test_distributed import run_driver
 QUICK = Path(__file__).resolve().parents[1] / "recipes" / "quickstart" / "data"
 AGENT = Path(__file__).resolve().parents[1] / "recipes" / "agent"
 TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
-BACKENDS = {"ddp": {}, "fsdp1": {}, "fsdp2": {}, "deepspeed": {"zero_stage": 3}}
+BACKENDS = {"ddp": {}, "fsdp1": {}, "fsdp2": {}, "deepspeed": {"zero_stage": 3}}  # DeepSpeed last (below)
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 
 
 @pytest.fixture(scope="module")
@@ -109,20 +112,32 @@ def one_process(assets) -> dict[str, Path]:
     return outs
 
 
-@pytest.mark.timeout(900)
+@pytest.fixture(scope="module")
+def backend_runs(assets, tmp_path_factory) -> dict[str, dict[str, Path]]:
+    """Every backend's LoRA, full-fine-tuning and multi-turn agent runs in ONE 2-process launch, ZeRO-3
+    last (DeepSpeed keeps its own state: nothing runs after it); accelerate's state is reset between
+    runs, as between the cases of one backend. Per backend: its outputs by tuning ("agent" included)."""
+    root = tmp_path_factory.mktemp("grpo-backends")
+    outs: dict[str, dict[str, Path]] = {}
+    cases = []
+    for backend, distributed in BACKENDS.items():
+        if backend == "deepspeed" and not HAS_DEEPSPEED:
+            continue
+        outs[backend] = {tuning: root / f"{backend}-{tuning}" for tuning in ("lora", "full")}
+        cases += [{"recipe": str(recipe(assets, out, backend, tuning, **distributed))}
+                  for tuning, out in outs[backend].items()]  # fmt: skip
+        outs[backend]["agent"] = root / f"{backend}-agent"
+        cases.append({"recipe": str(agent_recipe(assets, outs[backend]["agent"], backend, **distributed))})
+    run_driver({"cases": cases}, root, nproc=2, timeout=1500)
+    return outs
+
+
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("backend", list(BACKENDS))
-def test_two_processes_train_the_one_process_grpo_run(backend, assets, one_process, tmp_path) -> None:
-    if backend == "deepspeed":
-        pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (scripts/setup.sh installs it)")
-    outs = {tuning: tmp_path / tuning for tuning in one_process}
-    cases = [
-        {"recipe": str(recipe(assets, out, backend, tuning, **BACKENDS[backend]))}
-        for tuning, out in outs.items()
-        if tuning != "agent"
-    ]
-    cases.append({"recipe": str(agent_recipe(assets, outs["agent"], backend, **BACKENDS[backend]))})
-    run_driver({"cases": cases}, tmp_path, nproc=2, timeout=600)
-    for tuning, out in outs.items():
+def test_two_processes_train_the_one_process_grpo_run(backend, one_process, backend_runs) -> None:
+    if backend == "deepspeed" and not HAS_DEEPSPEED:
+        pytest.skip("DeepSpeed is not installed (scripts/setup.sh installs it)")
+    for tuning, out in backend_runs[backend].items():
         if tuning == "agent":  # multi-turn: the same trajectories (ids, mask, messages) and adapter
             same_trajectories(out, one_process[tuning])
             continue

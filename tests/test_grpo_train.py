@@ -4,7 +4,9 @@ an exact resume, `liger generate` on the result, and one-line errors for broken 
 
 Train once, assert many: the runs that are not about the `liger` process itself (every adapter kind,
 the stopped halves of the resume checks, full fine-tuning with a KL term and 2 iterations per batch)
-share one process through tests/dist_driver.py; every resume is a fresh `liger train`, as after a crash."""
+share one process through tests/dist_driver.py; every resume is a fresh `liger train`, as after a crash.
+The one-line errors and `liger generate` run in the test's process (test_train.liger_here), as does
+`liger bench`'s parent (its two runs are their own processes, as always)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import yaml
 from safetensors.torch import load_file
 from test_distributed import run_driver
 from test_output_safety import one_line_error
-from test_train import QUICK_DATA, liger, recipe_text
+from test_train import QUICK_DATA, liger, liger_here, liger_in_one_process, recipe_text
 
 TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 # Generous: this file's runs share the machine with another worker's 2-process tests.
@@ -36,17 +38,23 @@ def write_prompts(path: Path, source: Path, n: int) -> Path:
 
 @pytest.fixture(scope="module")
 def setup(tiny_model_dir: Path, tmp_path_factory) -> dict:
-    """A short SFT run (its adapter starts GRPO) and prompt files from the quickstart's data."""
+    """A short SFT run (its adapter starts GRPO), prompt files from the quickstart's data, and the GRPO
+    run the tests read (`run`): the two `liger train` commands in one fresh process
+    (test_train.liger_in_one_process: each its own exit code and output)."""
     root = tmp_path_factory.mktemp("grpo")
     sft = root / "sft"
     recipe = root / "sft.yaml"
     recipe.write_text(recipe_text(tiny_model_dir, sft, training="{max_steps: 4, micro_batch_size: 8, lr: 1.0e-2, seed: 1}",
                                   output=f"{{dir: {sft}, overwrite: true}}"))  # fmt: skip
-    proc = liger("train", str(recipe), timeout=TIMEOUT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
     train = write_prompts(root / "train.jsonl", QUICK_DATA / "train.jsonl", 16)
     evald = write_prompts(root / "eval.jsonl", QUICK_DATA / "eval.jsonl", 6)
-    return {"root": root, "model": tiny_model_dir, "sft": sft / "final", "train": train, "eval": evald}
+    found = {"root": root, "model": tiny_model_dir, "sft": sft / "final", "train": train, "eval": evald}
+    found["run"] = root / "run"
+    sft_proc, found["run_proc"] = liger_in_one_process(
+        ["train", str(recipe)], ["train", str(grpo_recipe(found, found["run"]))], timeout=2 * TIMEOUT
+    )
+    assert sft_proc.returncode == 0, sft_proc.stderr[-3000:]
+    return found
 
 
 def grpo_recipe(setup: dict, out: Path, **over) -> Path:
@@ -78,11 +86,10 @@ def metrics(out: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def run(setup) -> Path:
-    out = setup["root"] / "run"
-    proc = liger("train", str(grpo_recipe(setup, out)), timeout=TIMEOUT)
+    proc = setup["run_proc"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "final model verified" in proc.stdout and "sample: " in proc.stdout
-    return out
+    return setup["run"]
 
 
 def test_a_grpo_run_writes_every_completion_and_its_figures(run: Path) -> None:
@@ -120,16 +127,9 @@ def test_a_grpo_run_writes_every_completion_and_its_figures(run: Path) -> None:
 
 def test_generate_runs_on_the_grpo_result(run: Path, setup, tmp_path: Path) -> None:
     out = tmp_path / "out.jsonl"
-    proc = liger(
-        "generate",
-        str(run),
-        "--prompts",
-        str(setup["eval"]),
-        "--out",
-        str(out),
-        "--max-new-tokens",
-        "8",
-        timeout=TIMEOUT,
+    # in this process: `liger generate` as a process is test_generate_cli.py's
+    proc = liger_here(
+        "generate", str(run), "--prompts", str(setup["eval"]), "--out", str(out), "--max-new-tokens", "8"
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -160,16 +160,17 @@ def test_a_stopped_run_resumes_to_the_same_weights(setup, run: Path, runs: dict)
 
 
 def test_broken_rewards_and_long_prompts_are_one_line_errors(setup) -> None:
+    """In this process (test_train.liger_here): the command's exit code and one-line error."""
     root = setup["root"]
     out = root / "broken"
     recipe = grpo_recipe(setup, out)
     (root / "rewards.py").write_text(
         "def short(completions, answer, **kwargs):\n    return [len(a) / 0 for a in answer]\n"
     )
-    line = one_line_error(liger("train", str(recipe), timeout=TIMEOUT))
+    line = one_line_error(liger_here("train", str(recipe)))
     assert "reward short" in line and "raised on prompt row 1: ZeroDivisionError" in line, line
     (root / "rewards.py").write_text("raise RuntimeError('oops')\n")
-    line = one_line_error(liger("train", str(recipe), timeout=TIMEOUT))
+    line = one_line_error(liger_here("train", str(recipe)))
     assert "importing" in line and "RuntimeError: oops" in line, line
     assert not (out / "final").exists()
     long = root / "long.jsonl"
@@ -181,7 +182,7 @@ def test_broken_rewards_and_long_prompts_are_one_line_errors(setup) -> None:
     (root / "rewards.py").write_text(
         "def short(completions, **kwargs):\n    return [0.0] * len(completions)\n"
     )
-    line = one_line_error(liger("train", str(grpo), timeout=TIMEOUT))
+    line = one_line_error(liger_here("train", str(grpo)))
     assert "data.train prompt row 3" in line and "data.max_seq_len - rl.max_new_tokens" in line, line
 
 
@@ -314,9 +315,12 @@ def test_liger_bench_compares_kernels_on_a_grpo_recipe(setup, tmp_path: Path) ->
     """`liger bench` on a GRPO recipe: both runs sample the same first completions (the kernels change no
     sampled token here), so their first-step losses agree; each writes its rollouts."""
     out = tmp_path / "bench"
+    from liger_cli.bench import bench
+
     recipe = grpo_recipe(setup, tmp_path / "run", training__eval_every=None)
-    proc = liger("bench", str(recipe), "--steps", "1", "--warmup", "0", "--out", str(out), timeout=TIMEOUT)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    printed: list[str] = []  # the bench's parent in this process; each run is its own process, as always
+    code = bench(recipe, [], steps=1, warmup=0, out_dir=out, echo=printed.append)
+    assert code == 0, "\n".join(printed)[-4000:]
     report = json.loads((out / "bench.json").read_text())
     assert report["first_step_loss"]["agree"], report["first_step_loss"]
     on, off = (

@@ -65,6 +65,17 @@ def run_cli(*args: str, cwd: Path = REPO, **env: str) -> subprocess.CompletedPro
     )
 
 
+def run_here(monkeypatch, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """`liger inspect-wrap ARGS` in this process (test_train.liger_here: exit code, stdout, stderr), with
+    `env` set; the strict test below runs it as a real process (its ambient accelerate config is found
+    under HF_HOME when accelerate is imported, which only a fresh process can be given)."""
+    from test_train import liger_here
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return liger_here("inspect-wrap", *args)
+
+
 # --- building MODEL on the meta device --------------------------------------------------------------------
 
 
@@ -190,8 +201,9 @@ def test_lora_flag_mixes_frozen_and_trainable(capsys, monkeypatch, tmp_path):
 # --- the CLI --------------------------------------------------------------------------------------------
 
 
-def test_cli_json_with_stale_env_value():
-    done = run_cli(
+def test_cli_json_with_stale_env_value(monkeypatch):
+    done = run_here(
+        monkeypatch,
         str(CONFIGS / "llama-3-8b"),
         "--json",
         "--num-processes",
@@ -215,8 +227,13 @@ def test_cli_json_with_stale_env_value():
     assert data["lm_head_unit"] == "model.norm + lm_head" and data["embed_unit"] == "model.embed_tokens"
 
 
-def test_cli_unknown_class_exits_2_with_the_class_list():
-    done = run_cli(str(CONFIGS / "mixtral-8x7b"), "--wrap-classes", "MixtralDecoderLayer,MistralDecoderLayer")
+def test_cli_unknown_class_exits_2_with_the_class_list(monkeypatch):
+    done = run_here(
+        monkeypatch,
+        str(CONFIGS / "mixtral-8x7b"),
+        "--wrap-classes",
+        "MixtralDecoderLayer,MistralDecoderLayer",
+    )
     assert done.returncode == 2
     assert done.stderr.startswith("error: FSDP wrap class 'MistralDecoderLayer'")
     assert "MixtralDecoderLayer (x32)" in done.stderr and "Traceback" not in done.stderr

@@ -1,5 +1,9 @@
 """Nothing lost: a run that fails its checks leaves the output folder as it was; liger only ever
-replaces or resumes into folders it made, and only merge folders it made."""
+replaces or resumes into folders it made, and only merge folders it made.
+
+One run and one merge are real processes; the refusals and the second merge run in this process
+(`liger_here`, its exit code and one-line error as the command gives them); refusals as real processes
+are tests/test_user_errors.py's and test_train.py's."""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_train import QUICK_DATA, liger, recipe_text
+from test_train import QUICK_DATA, liger, liger_here, recipe_text
 
 
 def snapshot(folder: Path) -> dict[str, str]:
@@ -59,7 +63,7 @@ def test_overwrite_with_a_bad_data_row_keeps_the_previous_run(finished_run: Path
     bad = tmp_path / "train.jsonl"
     rows = (QUICK_DATA / "train.jsonl").read_text().splitlines()
     bad.write_text("\n".join([*rows[:5], json.dumps({"instruction": "hi"}), *rows[5:]]) + "\n")
-    proc = liger("train", str(finished_run), "--set", f"data.train={bad}")
+    proc = liger_here("train", str(finished_run), "--set", f"data.train={bad}")
     line = one_line_error(proc)
     assert "train.jsonl" in line, line
     assert snapshot(out) == before  # the final adapter included, byte for byte
@@ -76,7 +80,7 @@ def test_overwrite_refuses_a_folder_the_run_reads_from(finished_run: Path, tmp_p
     inside = out / "data.jsonl"
     inside.write_text((QUICK_DATA / "train.jsonl").read_text())
     try:
-        line = one_line_error(liger("train", str(finished_run), "--set", f"data.train={inside}"))
+        line = one_line_error(liger_here("train", str(finished_run), "--set", f"data.train={inside}"))
         assert "reads" in line and "inside" in line
     finally:
         inside.unlink()
@@ -90,7 +94,7 @@ def test_resume_path_never_writes_into_a_foreign_folder(finished_run: Path, tmp_
     checkpoint = tmp_path / "ckpt"
     checkpoint.mkdir()
     (checkpoint / "trainer_state.json").write_text('{"step": 1}')
-    proc = liger(
+    proc = liger_here(
         "train", str(finished_run), "--set", f"output.dir={foreign}", "--set", f"output.resume={checkpoint}"
     )
     line = one_line_error(proc)
@@ -108,7 +112,7 @@ def test_merge_replaces_only_a_merge_folder_it_made(finished_run: Path, tmp_path
     assert liger("merge", str(run), str(merged)).returncode == 0
     assert (merged / "model.safetensors").is_file() and (merged / ".liger-merge").is_file()
     assert (sibling / "keep.txt").read_text() == "mine"
-    again = liger("merge", str(run), str(merged), "--overwrite")
+    again = liger_here("merge", str(run), str(merged), "--overwrite")
     assert again.returncode == 0, again.stderr[-2000:]
     assert (merged / "model.safetensors").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["merged", "merged.tmp"]  # no temporary left
@@ -116,10 +120,10 @@ def test_merge_replaces_only_a_merge_folder_it_made(finished_run: Path, tmp_path
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("do not delete")
-    line = one_line_error(liger("merge", str(run), str(foreign), "--overwrite"))
+    line = one_line_error(liger_here("merge", str(run), str(foreign), "--overwrite"))
     assert "did not write it" in line
     assert (foreign / "notes.txt").read_text() == "do not delete"
     for target in (run, run.parent, run.parent.parent):
-        line = one_line_error(liger("merge", str(run), str(target), "--overwrite"))
+        line = one_line_error(liger_here("merge", str(run), str(target), "--overwrite"))
         assert "run folder or a parent of it" in line
     assert snapshot(run) == run_before

@@ -221,31 +221,40 @@ REFERENCE_FREE = ["simpo", "orpo"]
 
 
 @pytest.fixture(scope="module")
-def reference_free_runs(tiny_model_dir, tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
-    """SimPO and ORPO, full fine-tuning, trained one after the other in ONE process (tests/dist_driver.py:
-    `liger train`'s training, case after case): the CLI itself is the DPO runs' to prove."""
-    from test_distributed import run_driver
+def later_runs(dpo_run, tiny_model_dir, tmp_path_factory) -> dict:
+    """In ONE process (test_train.liger_in_one_process: each command its own exit code and output):
+    the DPO run resumed from its step-2 checkpoint, a DoRA DPO run and `liger merge` of it, then SimPO
+    and ORPO with full fine-tuning."""
+    from test_train import liger_in_one_process
 
-    tmp_path = tmp_path_factory.mktemp("reference-free")
-    cases, outs = [], {}
+    _, out = dpo_run
+    recipe = out.parent / "dpo.yaml"  # dpo_run's recipe
+    root = tmp_path_factory.mktemp("later")
+    dora_recipe, dora_out = write_train_recipe(root, tiny_model_dir, "dpo")
+    outs = {"resumed": root / "resumed", "dora": dora_out, "merged": root / "merged"}
+    commands = [
+        ["train", str(recipe), "--set", "training.max_steps=4", "--set", "output.save_every=2",
+         "--set", f"output.dir={outs['resumed']}", "--set", f"output.resume={out / 'checkpoints' / 'step-2'}"],
+        ["train", str(dora_recipe), "--set", "adapter.type=dora"],
+        ["merge", str(dora_out), str(outs["merged"])],
+    ]  # fmt: skip
     for objective in REFERENCE_FREE:
-        recipe, outs[objective] = write_train_recipe(tmp_path, tiny_model_dir, objective)
-        recipe.write_text(
-            recipe.read_text().replace("adapter: {type: lora, r: 4, alpha: 8}", "adapter: {type: none}")
-        )
-        cases.append({"recipe": str(recipe)})
-    return run_driver({"cases": cases}, tmp_path, nproc=1, timeout=900), outs
+        free_recipe, outs[objective] = write_train_recipe(root, tiny_model_dir, objective)
+        commands.append(["train", str(free_recipe), "--set", "adapter.type=none"])
+    procs = liger_in_one_process(*commands)
+    return {"resumed": procs[0], "dora": procs[1], "merge": procs[2], "outs": outs,
+            **dict(zip(REFERENCE_FREE, procs[3:], strict=True))}  # fmt: skip
 
 
 # DPO with full fine-tuning (no adapter to disable: a reference table computed before step 1) is proved
 # end to end by tests/test_reference_logps.py: the table's values, its storage and its resume.
 @pytest.mark.parametrize("objective", REFERENCE_FREE)
-def test_reference_free_objectives_train_and_need_no_reference(reference_free_runs, objective):
-    proc, outs = reference_free_runs  # the driver asserts exit 0
-    out = outs[objective]
+def test_reference_free_objectives_train_and_need_no_reference(later_runs, objective):
+    proc, out = later_runs[objective], later_runs["outs"][objective]
+    assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(math.isfinite(x["loss"]) for x in lines if "loss" in x)
-    assert "start check" not in proc.stdout  # neither run checks a reference
+    assert "start check" not in proc.stdout  # the run checks no reference
     assert (out / "final" / "model.safetensors").is_file()
 
 
@@ -337,16 +346,13 @@ def metrics(out: Path, key: str = "loss") -> list[float]:
     return [x[key] for x in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if key in x]
 
 
-def test_dpo_resume_is_bit_identical(tmp_path, tiny_model_dir, dpo_run):
+def test_dpo_resume_is_bit_identical(dpo_run, later_runs):
     """A DPO run resumed from its step-2 checkpoint (adapter, optimizer, schedule, RNG) logs the same
     steps 3-4 and saves the same adapter as the run that went through."""
     from safetensors.torch import load_file
 
     _, out = dpo_run
-    resumed_out = tmp_path / "resumed"
-    resumed, _ = train(out.parent, tiny_model_dir, "dpo", "--set", "training.max_steps=4",
-                       "--set", "output.save_every=2", "--set", f"output.dir={resumed_out}",
-                       "--set", f"output.resume={out / 'checkpoints' / 'step-2'}")  # fmt: skip
+    resumed, resumed_out = later_runs["resumed"], later_runs["outs"]["resumed"]
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resumed from" in resumed.stdout and "start check" not in resumed.stdout
     for key in ("loss", "rewards/margins", "logps/chosen"):
@@ -357,36 +363,33 @@ def test_dpo_resume_is_bit_identical(tmp_path, tiny_model_dir, dpo_run):
         assert torch.equal(got[key], want[key]), key
 
 
-def test_dora_dpo_merges_into_a_model_that_gives_the_adapters_logits(tmp_path, tiny_model_dir):
-    proc, out = train(tmp_path, tiny_model_dir, "dpo", "--set", "adapter.type=dora")
+def test_dora_dpo_merges_into_a_model_that_gives_the_adapters_logits(later_runs):
+    proc = later_runs["dora"]
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "start check: step 1 has policy == reference" in proc.stdout  # DoRA's magnitude starts at |W|
     assert "final model verified" in proc.stdout
-    merged = subprocess.run(
-        [sys.executable, "-m", "liger_cli", "merge", str(out), str(tmp_path / "merged")],
-        capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+    merged = later_runs["merge"]
     assert merged.returncode == 0, merged.stderr[-2000:]
-    assert "merge verified" in merged.stdout and (tmp_path / "merged" / "model.safetensors").is_file()
+    merged_dir = later_runs["outs"]["merged"]
+    assert "merge verified" in merged.stdout and (merged_dir / "model.safetensors").is_file()
 
 
 def test_bench_on_a_dpo_recipe_compares_kernels_on_and_off(tmp_path, tiny_model_dir):
     """`liger bench` trains the preference recipe twice (fused log-probs on, then every kernel off);
-    both start from policy == reference, so their first losses agree (ln 2)."""
+    both start from policy == reference, so their first losses agree (ln 2). The bench's parent runs
+    in this process (each run is its own process, as always); its command line is test_bench.py's."""
+    from liger_cli.bench import bench
     from liger_cli.plan.dry_run import dry_run
     from liger_cli.recipe import load_recipe
 
     recipe, _ = write_train_recipe(tmp_path, tiny_model_dir, "dpo")
     loaded = load_recipe(recipe, [])  # what `liger train --dry-run` prints, in-process: it plans
     assert loaded.to_yaml() and dry_run(loaded)
-    bench = tmp_path / "bench"
-    proc = subprocess.run(
-        [sys.executable, "-m", "liger_cli", "bench", str(tmp_path / "dpo.yaml"), "--steps", "1", "--warmup", "1",
-         "--out", str(bench)],
-        capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    report = json.loads((bench / "bench.json").read_text())
+    out = tmp_path / "bench"
+    printed: list[str] = []
+    code = bench(recipe, [], steps=1, warmup=1, out_dir=out, echo=printed.append)
+    assert code == 0, "\n".join(printed)[-4000:]
+    report = json.loads((out / "bench.json").read_text())
     assert set(report["runs"]) == {"kernels_on", "kernels_off"}
     for variant in report["runs"]:
-        assert metrics(bench / variant)[0] == pytest.approx(math.log(2), abs=1e-5), variant
+        assert metrics(out / variant)[0] == pytest.approx(math.log(2), abs=1e-5), variant

@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import save_tiny_model
 from safetensors.torch import load_file
-from test_train import liger, recipe_text
+from test_train import liger, liger_here, recipe_text
 
 bnb = pytest.importorskip("bitsandbytes")
 
@@ -253,8 +253,8 @@ def test_qlora_run_and_merge(model64: Path, tmp_path: Path) -> None:
     )
     assert "final model verified: reloaded from final/, every tensor equal" in proc.stdout
     assert not any(word in proc.stderr for word in NOTICE_WORDS), proc.stderr
-    proc = liger("merge", str(out), str(tmp_path / "merged"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = liger_here("merge", str(out), str(tmp_path / "merged"))  # in this process: `liger merge` as a
+    assert proc.returncode == 0, proc.stderr[-3000:]  # process is test_train.py's and test_output_safety.py's
     line = next(s for s in proc.stdout.splitlines() if "adapter on the 4-bit base vs merged" in s)
     quantization_error = float(line.split("merged: ")[1].split()[0])
     assert 0 < quantization_error < 1

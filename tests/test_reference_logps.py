@@ -8,7 +8,6 @@ import math
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from test_distributed import run_driver
 from test_output_safety import one_line_error
 from test_preference_train import write_pairs
+from test_train import liger_in_one_process
 
 from liger_cli.run.reference import REFERENCE_FILE
 
@@ -38,11 +38,6 @@ def write_recipe(folder: Path, model_dir: Path, data: Path, max_steps: int, save
     return recipe
 
 
-def liger_train(recipe: Path, *extra: str) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", "liger_cli", "train", str(recipe), *extra]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=900)  # generous: a shared machine
-
-
 def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -50,8 +45,9 @@ def metrics(out: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir: Path, tmp_path_factory) -> dict:
     """A 4-step run (checkpoints at 2 and 4) and a 2-step run, trained one after the other in ONE process
-    (tests/dist_driver.py: `liger train`'s training, case after case); then the 2-step run made 4 steps
-    long by a resume, a fresh `liger train` as after a crash."""
+    (tests/dist_driver.py: `liger train`'s training, case after case); then, in one fresh process
+    (test_train.liger_in_one_process), the 2-step run made 4 steps long by a resume as after a crash
+    (its first command), and the 4-step run resumed from its step 2 into another folder."""
     root = tmp_path_factory.mktemp("reference")
     data = write_pairs(root / "pairs.jsonl")
     found: dict = {"data": data}
@@ -60,13 +56,16 @@ def runs(tiny_model_dir: Path, tmp_path_factory) -> dict:
         found[name] = {"recipe": recipe, "out": recipe.parent / "out"}
     cases = [{"recipe": str(found[name]["recipe"])} for name in ("long", "short")]
     found["fresh"] = run_driver({"cases": cases}, root, nproc=1, timeout=900)  # asserts exit 0
-    short = found["short"]["out"]
+    short, long_out = found["short"]["out"], found["long"]["out"]
     found["mtime"] = os.stat(short / REFERENCE_FILE).st_mtime_ns
-    proc = liger_train(
-        found["short"]["recipe"], "--set", "training.max_steps=4", "--set", "output.resume=auto"
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    found["continued"] = proc
+    found["long_mtime"] = os.stat(long_out / REFERENCE_FILE).st_mtime_ns
+    found["elsewhere"] = root / "continued"
+    found["continued"], found["resumed_elsewhere"] = liger_in_one_process(
+        ["train", str(found["short"]["recipe"]), "--set", "training.max_steps=4", "--set", "output.resume=auto"],
+        ["train", str(found["long"]["recipe"]), "--set", f"output.dir={found['elsewhere']}",
+         "--set", f"output.resume={long_out / 'checkpoints' / 'step-2'}"],
+    )  # fmt: skip
+    assert found["continued"].returncode == 0, found["continued"].stderr[-3000:]
     return found
 
 
@@ -148,20 +147,12 @@ def test_a_resume_reads_the_table_and_trains_as_the_uninterrupted_run(runs) -> N
         torch.testing.assert_close(got[key], want[key], atol=1e-6, rtol=1e-5, msg=key)
 
 
-def test_a_resume_into_another_folder_reads_the_writing_runs_table(runs, tmp_path: Path) -> None:
+def test_a_resume_into_another_folder_reads_the_writing_runs_table(runs) -> None:
     long_out = runs["long"]["out"]
-    before = os.stat(long_out / REFERENCE_FILE).st_mtime_ns
-    out = tmp_path / "continued"
-    proc = liger_train(
-        runs["long"]["recipe"],
-        "--set",
-        f"output.dir={out}",
-        "--set",
-        f"output.resume={long_out / 'checkpoints' / 'step-2'}",
-    )
+    out, proc = runs["elsewhere"], runs["resumed_elsewhere"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"reference log-probs: read from {long_out / REFERENCE_FILE}" in proc.stdout
-    assert os.stat(long_out / REFERENCE_FILE).st_mtime_ns == before
+    assert os.stat(long_out / REFERENCE_FILE).st_mtime_ns == runs["long_mtime"]
     assert (out / REFERENCE_FILE).read_bytes() == (long_out / REFERENCE_FILE).read_bytes()  # it resumes too
     got, want = (load_file(o / "final" / "model.safetensors") for o in (out, long_out))
     for key in want:
@@ -180,7 +171,13 @@ def copied_run(runs, tmp_path: Path) -> tuple[Path, Path]:
 
 
 def resume_step2(recipe: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    return liger_train(recipe, "--set", f"output.resume={out / 'checkpoints' / 'step-2'}", *extra)
+    """A resume from step 2 that must be refused, in this process (test_train.liger_here: the command's
+    exit code and one-line error); the resumes that train are real processes."""
+    from test_train import liger_here
+
+    return liger_here(
+        "train", str(recipe), "--set", f"output.resume={out / 'checkpoints' / 'step-2'}", *extra
+    )
 
 
 def test_a_changed_data_file_is_refused_on_resume(runs, tmp_path: Path) -> None:

@@ -1,5 +1,9 @@
 """Resume continues exactly the run that wrote the checkpoint: a finished run can be made longer,
-a finished run is not retrained, and a checkpoint from another recipe is refused by name."""
+a finished run is not retrained, and a checkpoint from another recipe is refused by name.
+
+The two runs the tests compare train in one process (test_train.liger_in_one_process); the resumes
+that train and the killed runs are real processes; a finished run's no-op resume and the refusals run
+in this process (test_train.liger_here: the command's exit code, stdout and one-line error)."""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_output_safety import one_line_error, snapshot
-from test_train import QUICK_DATA, adapter_weights, liger, recipe_text
+from test_train import QUICK_DATA, adapter_weights, liger, liger_here, liger_in_one_process, recipe_text
 
 STEPS = "micro_batch_size: 4, grad_accum: 2, lr: 5.0e-3, scheduler: constant, seed: 3"
 
@@ -36,16 +40,13 @@ def write_recipe(model_dir: Path, folder: Path, max_steps: int, data: Path) -> P
 
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir: Path, tmp_path_factory) -> dict[str, Path]:
-    """A 4-step run, and a 2-step run (both finished)."""
+    """A 4-step run, and a 2-step run (both finished), trained one after the other in one process."""
     root = tmp_path_factory.mktemp("resume")
     data = root / "train.jsonl"
     shutil.copy(QUICK_DATA / "train.jsonl", data)
-    made = {}
-    for steps in (4, 2):
-        recipe = write_recipe(tiny_model_dir, root / f"run{steps}", steps, data)
-        proc = liger("train", str(recipe))
+    made = {steps: write_recipe(tiny_model_dir, root / f"run{steps}", steps, data) for steps in (4, 2)}
+    for proc in liger_in_one_process(*(["train", str(recipe)] for recipe in made.values())):
         assert proc.returncode == 0, proc.stderr[-3000:]
-        made[steps] = recipe
     return made
 
 
@@ -65,7 +66,7 @@ def test_the_last_step_writes_a_complete_checkpoint(runs: dict[str, Path]) -> No
 def test_resuming_a_finished_run_changes_nothing(runs: dict[str, Path]) -> None:
     out = runs[2].parent / "out"
     before = snapshot(out)
-    proc = liger("train", str(runs[2]), "--set", "output.resume=auto")
+    proc = liger_here("train", str(runs[2]), "--set", "output.resume=auto")  # in this process: no training
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "is complete (2 of 2 steps): nothing to do" in proc.stdout
     assert snapshot(out) == before  # no duplicate metric lines, no rewritten plan
@@ -101,7 +102,7 @@ def test_a_finished_run_continues_bit_identical_to_a_longer_run_and_no_checkpoin
     # the optimizer state (accelerate's pickle format) is read with weights_only: refused, exit 2
     (copy / "out" / "checkpoints" / "step-4" / "optimizer.bin").write_bytes(planted)
     line = one_line_error(
-        liger("train", str(recipe), "--set", "output.resume=auto", "--set", "training.max_steps=5")
+        liger_here("train", str(recipe), "--set", "output.resume=auto", "--set", "training.max_steps=5")
     )
     assert "not plain tensor data" in line
     assert not proof.exists()
@@ -125,7 +126,9 @@ def test_a_resume_that_differs_names_the_field(
         data.write_text(original.decode().replace("seven", "7"))
         change = "training.max_steps=6"
     try:
-        line = one_line_error(liger("train", str(runs[4]), "--set", "output.resume=auto", "--set", change))
+        line = one_line_error(
+            liger_here("train", str(runs[4]), "--set", "output.resume=auto", "--set", change)
+        )
     finally:
         data.write_bytes(original)
     assert f"{field} differs" in line, line

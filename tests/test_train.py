@@ -36,6 +36,93 @@ def liger(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     )
 
 
+def liger_here(*args: str) -> subprocess.CompletedProcess:
+    """`liger ARGS` in this process (typer's CliRunner), returned as `liger` returns a real process: for
+    the further cases of a command whose real process other tests start (docs/testing.md, rule 6), about
+    6 s of imports saved each. An exception that escapes the command is written to stderr as the
+    traceback a real process would print (so `"Traceback" not in stderr` still catches it), with exit 1.
+
+    What a run changes process-wide is put back, so later tests of this worker see nothing of it: the
+    environment, warning filters, transformers' log level and progress bars, the DeepSpeed logger's level,
+    accelerate's singletons and the user's files it imported (rewards, tools: data/user_code.py keeps
+    them in sys.modules by path, where a fresh process would import them anew). peft is imported first (bitsandbytes visible, as in the worker), so the
+    command does not hide bitsandbytes from the rest of the worker (`hide_bitsandbytes_unless_quantized`
+    leaves a process alone once peft is imported). glibc's mmap threshold, which a CPU launch lowers to
+    1 MiB, stays lowered: it only makes freed memory go back to the OS sooner."""
+    import logging
+    import os
+    import traceback
+    import warnings
+
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+    from transformers.utils import logging as hf_logging
+    from typer.testing import CliRunner
+
+    from liger_cli import cli, process_state
+
+    process_state.silence_hub_kernel_notice()
+    import peft  # noqa: F401  (before the command: see the docstring)
+
+    env = dict(os.environ)
+    modules = set(sys.modules)
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    deepspeed_level = logging.getLogger("DeepSpeed").level
+    accelerate_was_set = bool(PartialState._shared_state)
+    try:
+        with warnings.catch_warnings():
+            result = CliRunner().invoke(cli.app, list(args))
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+        for name in set(sys.modules) - modules:  # the user's files (rewards, tools): a fresh import next time
+            if name.startswith("liger_user_"):
+                del sys.modules[name]
+        hf_logging.set_verbosity(verbosity)
+        (hf_logging.enable_progress_bar if bars else hf_logging.disable_progress_bar)()
+        logging.getLogger("DeepSpeed").setLevel(deepspeed_level)
+        process_state.reset_for_new_run()
+        if not accelerate_was_set:
+            PartialState._reset_state()
+            AcceleratorState._reset_state(reset_partial_state=True)
+            GradientState._reset_state()
+    stderr = result.stderr
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        stderr += "Traceback (most recent call last):\n" + "".join(traceback.format_tb(result.exc_info[2]))
+        stderr += f"{type(result.exception).__name__}: {result.exception}\n"
+    return subprocess.CompletedProcess(["liger", *args], result.exit_code, result.stdout, stderr)
+
+
+IN_ONE_PROCESS = """
+import ctypes, gc, json, sys
+sys.path.insert(0, sys.argv[1])
+from test_train import liger_here
+
+done = []
+for args in json.loads(sys.argv[2]):
+    done.append(liger_here(*args))
+    gc.collect()
+    try:  # the freed heap back to the OS: the next command starts from what it holds, as a fresh process
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc
+print(json.dumps([[p.returncode, p.stdout, p.stderr] for p in done]))
+"""
+
+
+def liger_in_one_process(*commands: list[str], timeout: int = 900) -> list[subprocess.CompletedProcess]:
+    """Several `liger` commands one after the other in ONE fresh process, each through liger_here (its
+    own exit code, stdout and stderr): what several runs cost with one process's imports. Between two
+    commands the garbage is collected and glibc's freed heap given back to the OS. Only what the
+    command prints through Python's sys.stdout is its stdout: a launch's ranks write to the process's."""
+    proc = subprocess.run(
+        [sys.executable, "-c", IN_ONE_PROCESS, str(Path(__file__).resolve().parent), json.dumps(commands)],
+        capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.splitlines()[-1])
+    return [subprocess.CompletedProcess(["liger", *c], *f) for c, f in zip(commands, found, strict=True)]
+
+
 # A driver that trains in-process and simulates a crash at a chosen point, in a fresh process.
 CRASH_DRIVER = """
 import os, signal, sys
@@ -169,7 +256,9 @@ def test_output_dir_protection(uninterrupted: Path, tmp_path: Path) -> None:
     text = (uninterrupted / "recipe.yaml").read_text()
     recipe = tmp_path / "r.yaml"
     recipe.write_text(text)
-    proc = liger("train", str(recipe), "--set", f"output.dir={foreign}", "--set", "output.overwrite=true")
+    proc = liger_here(
+        "train", str(recipe), "--set", f"output.dir={foreign}", "--set", "output.overwrite=true"
+    )
     assert proc.returncode == 2 and "not a liger run folder" in proc.stderr
     assert (foreign / "thesis.tex").read_text() == "do not delete"
 
@@ -220,5 +309,5 @@ def test_merge_gives_the_adapter_models_logits(
     ids = torch.randint(0, merged.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, adapter(ids).logits, atol=1e-5, rtol=1e-5)
-    again = liger("merge", str(uninterrupted), str(merged_dir))
+    again = liger_here("merge", str(uninterrupted), str(merged_dir))  # the refusal, in this process
     assert again.returncode == 2 and "--overwrite" in again.stderr
