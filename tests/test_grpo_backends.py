@@ -61,10 +61,14 @@ def recipe(assets: dict, out: Path, backend: str = "none", tuning: str = "lora",
                      "lr": 5.0e-3, "scheduler": "constant", "seed": 3},
         "rl": {"num_generations": 4, "max_new_tokens": 6, "loss": "grpo", "beta": 0.05,
                "rewards": [{"function": f"{assets['root'] / 'rewards.py'}:spread"}]},
-        "output": {"dir": str(out)},
-        "logging": {"every": 1, "tensorboard": False},
-        "distributed": {"backend": backend, "num_processes": world, **distributed},
     }  # fmt: skip
+    return written(data, out, backend, world, distributed)
+
+
+def written(data: dict, out: Path, backend: str, world: int, distributed: dict) -> Path:
+    """The recipe with its output, logging and backend, written beside its output folder."""
+    data |= {"output": {"dir": str(out)}, "logging": {"every": 1, "tensorboard": False},
+             "distributed": {"backend": backend, "num_processes": world, **distributed}}  # fmt: skip
     path = out.parent / f"{out.name}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
@@ -84,13 +88,8 @@ def agent_recipe(assets: dict, out: Path, backend: str = "none", **distributed) 
                      "lr": 5.0e-3, "scheduler": "constant", "seed": 3},
         "rl": {"num_generations": 4, "max_new_tokens": 80, "max_turns": 2, "loss": "dapo",
                "tools": [f"{AGENT / 'tools.py'}:lookup"], "rewards": [{"function": f"{AGENT / 'rewards.py'}:correct"}]},
-        "output": {"dir": str(out)},
-        "logging": {"every": 1, "tensorboard": False},
-        "distributed": {"backend": backend, "num_processes": world, **distributed},
     }  # fmt: skip
-    path = out.parent / f"{out.name}.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
+    return written(data, out, backend, world, distributed)
 
 
 def steps(out: Path) -> list[dict]:
