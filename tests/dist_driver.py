@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 import yaml
+from check_memo import memoize_twin_checks
 
 from liger_cli import process_state
 from liger_cli.errors import RunFailed
@@ -201,6 +202,7 @@ def quantizes(spec: dict) -> bool:
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     hide = not quantizes(spec)
+    memoize_twin_checks()  # the cases share the twin checks of equal inputs (tests/check_memo.py)
     train.save_final = _save_final_with_checks
     for case in spec["cases"]:
         saved = {name: os.environ.get(name) for name in case.get("env", {})}

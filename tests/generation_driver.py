@@ -17,6 +17,7 @@ import os
 import sys
 from pathlib import Path
 
+from check_memo import memoize_twin_checks
 from dist_driver import generation_gathers
 
 from liger_cli.launch.rank import end_process_group, exit_now
@@ -28,6 +29,7 @@ from liger_cli.run import train
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     main_process = os.environ.get("RANK", "0") == "0"
+    memoize_twin_checks()  # the cases share the twin checks of equal inputs (tests/check_memo.py)
     for backend in spec["backends"]:
         if main_process:
             print(f"=== backend {backend['name']}", flush=True)

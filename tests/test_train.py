@@ -95,8 +95,10 @@ def liger_here(*args: str) -> subprocess.CompletedProcess:
 IN_ONE_PROCESS = """
 import ctypes, gc, json, sys
 sys.path.insert(0, sys.argv[1])
+from check_memo import memoize_twin_checks
 from test_train import liger_here
 
+memoize_twin_checks()  # the commands share the twin checks of equal inputs (tests/check_memo.py)
 done = []
 for args in json.loads(sys.argv[2]):
     done.append(liger_here(*args))
