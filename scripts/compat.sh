@@ -28,7 +28,7 @@ FAST_TESTS=(
   tests/test_user_errors.py tests/test_recipe.py tests/test_data.py tests/test_data_command.py
   tests/test_chat_templates.py tests/test_train.py tests/test_saved_is_trained.py tests/test_preference_loss.py
   tests/test_logprob_kernel.py tests/test_qlora.py tests/test_generate.py tests/test_generate_cli.py
-  tests/test_grpo.py tests/test_grpo_train.py
+  tests/test_grpo.py tests/test_grpo_train.py tests/test_agent_episodes.py tests/test_agent_train.py
 )
 
 [ -x "$PY" ] || "${PYTHON:-python3}" -m venv "$VENV"
