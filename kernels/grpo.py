@@ -1,4 +1,4 @@
-"""GRPO and its variants (DAPO, Dr. GRPO) on per-token log-probabilities: the math, one line each.
+"""GRPO and its variants (DAPO, Dr. GRPO, GSPO, CISPO) on per-token log-probabilities: the math, one line each.
 
 What the loss needs from the model is each completion token's log-probability at the sampling
 temperature: `fused_linear_token_logprob` computes it without building logits. What is left:
@@ -7,25 +7,34 @@ temperature: `fused_linear_token_logprob` computes it without building logits. W
   group: A_i = (r_i - mean_G r) / (std_G r + 1e-4), std unbiased over the G rewards;
   batch: A_i = (r_i - mean_G r) / (std_step r + 1e-4), the std over every completion of the step;
   none:  A_i = r_i - mean_G r (Dr. GRPO).
-- per token t of completion i: ratio rho = exp(logp - logp_old) and
+- grpo, dapo, dr_grpo, per token t of completion i: ratio rho = exp(logp - logp_old) and
   l_t = -min(rho A_i, clip(rho, 1 - eps_low, 1 + eps_high) A_i) + beta k3_t, where
   k3_t = exp(ref - logp) - (ref - logp) - 1 >= 0 (the KL estimator), times w_t = min(p_old /
   p_sampler, cap) with truncated importance sampling.
+- gspo (Zheng et al. 2025), the ratio of a completion: s_i = exp(sum_t m_t (logp_t - old_t) / sum_t m_t)
+  (the geometric mean of its token ratios over its learned tokens m), clipped at the sequence level:
+  l_i = -min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i), computed per token as GSPO-token
+  s_it = sg[s_i] exp(logp_t - sg[logp_t]) (value s_i, gradient that of l_i); k3 and w_t per token.
+- cispo (MiniMax-M1 2025): l_t = -sg[min(rho_t, 1 + eps_high)] A_i logp_t (+ beta k3_t, times w_t):
+  the weight clipped above only, detached; every token keeps its gradient (TRL's cispo epsilon_high is
+  the bound 1 + eps_high itself).
 - aggregation over the step's completions (`loss_units` counts what the sum is divided by):
-  grpo:    sum_i (sum_t l_t / |o_i|) / completions   (per-completion mean, then mean: the paper);
-  dapo:    sum_i sum_t l_t / completion tokens       (one token mean over the step);
-  dr_grpo: sum_i sum_t l_t / (completions x max_new_tokens).
+  grpo, gspo:    sum_i (sum_t l_t / |o_i|) / completions   (per-completion mean, then mean: the paper);
+  dapo, cispo:   sum_i sum_t l_t / completion tokens       (one token mean over the step);
+  dr_grpo:       sum_i sum_t l_t / (completions x max_new_tokens).
 
 Each function returns sums over the rows it is given, never a mean: the caller divides by the step's
-global count of units (completions, or tokens for dapo), so micro-batches and processes add up to
-the same update as one batch (`tests/test_grpo.py`).
+global count of units (completions, or tokens for dapo and cispo), so micro-batches and processes
+add up to the same update as one batch (`tests/test_grpo.py`).
 """
 
 from __future__ import annotations
 
 import torch
 
-LOSSES = ("grpo", "dapo", "dr_grpo")
+LOSSES = ("grpo", "dapo", "dr_grpo", "gspo", "cispo")
+PER_TOKEN = ("dapo", "cispo")
+"""The losses whose units are completion tokens (the others': completions)."""
 SCALES = ("group", "batch", "none")
 STD_EPS = 1e-4
 
@@ -58,15 +67,30 @@ def grpo_token_loss(
     beta: float = 0.0,
     ref_logp: torch.Tensor | None = None,
     weights: torch.Tensor | None = None,
+    loss: str = "grpo",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-token loss [B, T] (0 where `mask` is False) and per-token indicators/values for metrics:
-    `clipped` (the clip bound is the one taken), `kl` (k3, when beta > 0)."""
-    ratio = torch.exp(logp - old_logp)
+    """Per-token loss [B, T] (0 where `mask` is False) of `loss`, and per-token indicators/values for
+    metrics: `clipped` (grpo, dapo, dr_grpo: the token's clip bound is the one taken; gspo: the
+    completion's, on each of its tokens; cispo: the token's weight was capped), `kl` (k3, when beta > 0)."""
+    if loss not in LOSSES:
+        raise ValueError(f"loss {loss!r}: choose one of {', '.join(LOSSES)}")
     adv = advantages.unsqueeze(1).to(logp.dtype)
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * adv
-    per_token = -torch.minimum(unclipped, clipped)
-    stats = {"clipped": (clipped < unclipped).to(logp.dtype)}
+    if loss == "cispo":
+        ratio = torch.exp(logp.detach() - old_logp)
+        per_token = -torch.clamp(ratio, max=1 + epsilon_high) * adv * logp
+        indicator = ratio > 1 + epsilon_high
+    else:
+        if loss == "gspo":
+            learned = mask.to(logp.dtype)
+            log_s = torch.where(mask.bool(), logp.detach() - old_logp, 0).sum(1) / learned.sum(1).clamp(min=1)
+            ratio = torch.exp(log_s.unsqueeze(1) + (logp - logp.detach()))  # s_i, with logp_t's gradient
+        else:
+            ratio = torch.exp(logp - old_logp)
+        unclipped = ratio * adv
+        clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * adv
+        per_token = -torch.minimum(unclipped, clipped)
+        indicator = clipped < unclipped
+    stats = {"clipped": indicator.to(logp.dtype)}
     if beta > 0:
         if ref_logp is None:
             raise ValueError("beta > 0 needs the reference log-probabilities")
@@ -82,10 +106,11 @@ def grpo_token_loss(
 
 def aggregate(values: torch.Tensor, mask: torch.Tensor, loss: str, max_new_tokens: int) -> torch.Tensor:
     """A [B, T] per-token quantity summed as `loss` aggregates: over completions of per-completion means
-    (grpo), over tokens (dapo), over tokens / max_new_tokens (dr_grpo). Divide by `loss_units`."""
-    if loss == "grpo":
+    (grpo, gspo), over tokens (dapo, cispo), over tokens / max_new_tokens (dr_grpo). Divide by
+    `loss_units`."""
+    if loss in ("grpo", "gspo"):
         return (values.sum(1) / mask.sum(1).clamp(min=1)).sum()
-    if loss == "dapo":
+    if loss in PER_TOKEN:
         return values.sum()
     if loss == "dr_grpo":
         return values.sum() / max_new_tokens
@@ -94,5 +119,7 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, loss: str, max_new_token
 
 def loss_units(mask: torch.Tensor, loss: str) -> torch.Tensor:
     """What the step's sum is divided by, for these rows: completions (rows with a learned token: a row
-    left wholly out of the loss is not one), or completion tokens (dapo)."""
-    return mask.sum() if loss == "dapo" else (mask.sum(1) > 0).sum()
+    left wholly out of the loss is not one), or completion tokens (dapo, cispo)."""
+    if loss not in LOSSES:
+        raise ValueError(f"loss {loss!r}: choose one of {', '.join(LOSSES)}")
+    return mask.sum() if loss in PER_TOKEN else (mask.sum(1) > 0).sum()

@@ -1,7 +1,7 @@
-"""GRPO proved piece by piece: the advantages and the surrogate against hand-written formulas, the loss
-normalisation against accumulation (8 completions in one micro-batch = 2 x 4 = 4 x 2, for every
-`rl.loss`), the fused per-token log-probs against plain logits, the reward-function contract, and the
-recipe's refusals."""
+"""GRPO proved piece by piece: the advantages and the surrogate against hand-written formulas (GSPO's
+and CISPO's losses and gradients too), the loss normalisation against accumulation (8 completions in
+one micro-batch = 2 x 4 = 4 x 2, for every `rl.loss`), the fused per-token log-probs against plain
+logits, the reward-function contract, and the recipe's refusals."""
 
 from __future__ import annotations
 
@@ -63,17 +63,130 @@ def test_the_surrogate_and_the_kl_term():
 
 
 def test_aggregations_divide_as_their_papers_say():
-    from liger_kernels.grpo import aggregate, loss_units
+    from liger_kernels.grpo import LOSSES, aggregate, loss_units
 
     values = torch.tensor([[1.0, 3.0, 0.0], [2.0, 0.0, 0.0]])
     mask = torch.tensor([[True, True, False], [True, False, False]])
-    assert (aggregate(values, mask, "grpo", 3) / loss_units(mask, "grpo")).item() == pytest.approx(
-        (2.0 + 2.0) / 2
-    )
-    assert (aggregate(values, mask, "dapo", 3) / loss_units(mask, "dapo")).item() == pytest.approx(6.0 / 3)
-    assert (aggregate(values, mask, "dr_grpo", 3) / loss_units(mask, "dr_grpo")).item() == pytest.approx(
-        6.0 / (2 * 3)
-    )
+    want = {
+        "grpo": (2.0 + 2.0) / 2,  # per-completion means (2, 2), mean over the 2 completions
+        "gspo": (2.0 + 2.0) / 2,  # as grpo: its loss is per completion
+        "dapo": 6.0 / 3,  # one mean over the 3 completion tokens
+        "cispo": 6.0 / 3,  # as dapo: its loss is per token
+        "dr_grpo": 6.0 / (2 * 3),  # token sum / (completions x max_new_tokens)
+    }
+    assert set(want) == set(LOSSES)
+    for loss, value in want.items():
+        got = aggregate(values, mask, loss, 3) / loss_units(mask, loss)
+        assert got.item() == pytest.approx(value), loss
+    with pytest.raises(ValueError, match="choose one of grpo, dapo, dr_grpo, gspo, cispo"):
+        loss_units(mask, "ppo")
+
+
+# A hand-made batch for GSPO and CISPO: three completions, the third with two learned tokens out of four
+# (an environment id inside, and padding), ratios on both sides of the clip ranges.
+HAND_LOGP = [[-1.0, -2.0, -0.5, -1.5], [-0.3, -0.2, -0.9, -1.1], [-2.0, -0.7, -0.4, -3.0]]
+HAND_OLD = [[-1.2, -1.9, -0.9, -1.4], [-0.4, -0.1, -1.3, -1.0], [-2.1, -0.7, -0.1, -3.0]]
+HAND_REF = [[-1.1, -2.2, -0.6, -1.3], [-0.2, -0.3, -1.0, -1.2], [-1.8, -0.9, -0.5, -2.5]]
+HAND_MASK = [[1, 1, 1, 1], [1, 1, 1, 0], [1, 0, 1, 0]]
+HAND_ADV = [1.5, -0.8, 2.0]
+HAND_W = [[1.0, 0.9, 1.1, 1.0], [0.8, 1.0, 1.2, 1.0], [1.3, 1.0, 0.7, 1.0]]
+
+
+def hand_batch(weights: bool):
+    t = lambda rows: torch.tensor(rows, dtype=torch.float64)  # noqa: E731
+    logp = t(HAND_LOGP).requires_grad_(True)
+    mask = torch.tensor(HAND_MASK, dtype=torch.bool)
+    return logp, t(HAND_OLD), t(HAND_REF), t(HAND_ADV), mask, (t(HAND_W) if weights else None)
+
+
+def kernel_loss(loss: str, eps_low: float, eps_high: float, beta: float, weights: bool):
+    """liger's loss for the step (the sum divided by the step's units, as the objective divides it), its
+    gradient with respect to the log-probs, and the clip fraction."""
+    from liger_kernels.grpo import aggregate, grpo_token_loss, loss_units
+
+    logp, old, ref, adv, mask, w = hand_batch(weights)
+    per_token, stats = grpo_token_loss(logp, old, adv, mask, eps_low, eps_high, beta, ref, w, loss=loss)
+    units = loss_units(mask, loss)
+    value = aggregate(per_token, mask, loss, 4) / units
+    value.backward()
+    return value.item(), logp.grad, (aggregate(stats["clipped"], mask, loss, 4) / units).item()
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.1])
+def test_gspo_is_the_sequence_objective_and_its_gradient(beta):
+    """GSPO's loss and gradient equal the sequence-level objective's, written directly: one ratio per
+    completion, s_i = exp(mean of its learned tokens' log-ratios), clipped, its loss l_i = -min(s_i A_i,
+    clip(s_i) A_i) (+ beta times the completion's mean k3), mean over completions. With the paper's clip
+    range (3e-4, 4e-4) the first completion's ratio is clipped, the others' are not."""
+    eps_low, eps_high = 3e-4, 4e-4
+    logp, old, ref, adv, mask, _ = hand_batch(False)
+    m = mask.double()
+    s = torch.exp(((logp - old) * m).sum(1) / m.sum(1))
+    l_seq = -torch.minimum(s * adv, torch.clamp(s, 1 - eps_low, 1 + eps_high) * adv)
+    k3 = torch.exp(ref - logp) - (ref - logp) - 1
+    want = (l_seq + beta * (k3 * m).sum(1) / m.sum(1)).sum() / 3
+    want.backward()
+    got, grad, clip_fraction = kernel_loss("gspo", eps_low, eps_high, beta, weights=False)
+    assert got == pytest.approx(want.item(), rel=1e-12, abs=1e-12)
+    torch.testing.assert_close(grad, logp.grad, rtol=1e-12, atol=1e-12)
+    # The ratios: e^0.1 (A > 0: clipped at 1 + 4e-4), e^(0.4/3) (A < 0) and e^-0.1 (A > 0): taken unclipped.
+    assert s.detach().tolist() == pytest.approx([math.exp(0.1), math.exp(0.4 / 3), math.exp(-0.1)])
+    assert clip_fraction == pytest.approx(1 / 3)
+    # A clipped completion teaches nothing but its KL term: no surrogate gradient on its tokens.
+    if beta == 0:
+        assert grad[0].abs().max() == 0 and grad[1, :3].abs().min() > 0 and grad[2, [0, 2]].abs().min() > 0
+
+
+def test_gspo_with_weights_and_a_wide_clip_by_hand():
+    """Truncated importance sampling weighs each token's term: d loss / d logp_t = w_t (-A_i s_i + beta
+    (1 - exp(ref_t - logp_t))) / (|o_i| completions), where the surrogate keeps its gradient (s_i inside
+    the clip range, or the unclipped term is the smaller); the value is sum_t w_t (l_i + beta k3_t) / |o_i|."""
+    eps_low, eps_high, beta = 0.2, 0.08, 0.05
+    got, grad, clip_fraction = kernel_loss("gspo", eps_low, eps_high, beta, weights=True)
+    want, want_grad = 0.0, [[0.0] * 4 for _ in range(3)]
+    for i in range(3):
+        tokens = [t for t in range(4) if HAND_MASK[i][t]]
+        s = math.exp(sum(HAND_LOGP[i][t] - HAND_OLD[i][t] for t in tokens) / len(tokens))
+        a = HAND_ADV[i]
+        clipped = min(max(s, 1 - eps_low), 1 + eps_high)
+        l_i = -min(s * a, clipped * a)
+        live = 1 - eps_low <= s <= 1 + eps_high or s * a < clipped * a
+        for t in tokens:
+            w, d = HAND_W[i][t], HAND_REF[i][t] - HAND_LOGP[i][t]
+            want += w * (l_i + beta * (math.exp(d) - d - 1)) / len(tokens) / 3
+            want_grad[i][t] = w * ((-a * s if live else 0.0) + beta * (1 - math.exp(d))) / len(tokens) / 3
+    assert got == pytest.approx(want, rel=1e-12)
+    torch.testing.assert_close(grad, torch.tensor(want_grad, dtype=torch.float64), rtol=1e-12, atol=1e-12)
+    # e^0.1 > 1.08 with A > 0: clipped; e^(0.4/3) > 1.08 with A < 0: the unclipped term taken; e^-0.1 inside.
+    assert clip_fraction == pytest.approx(1 / 3)
+
+
+@pytest.mark.parametrize("weights", [False, True])
+def test_cispo_by_hand(weights):
+    """CISPO: l_t = -min(rho_t, 1 + eps_high) A_i logp_t (+ beta k3_t), times w_t, the weight detached:
+    d l_t / d logp_t = -min(rho_t, 1 + eps_high) A_i (+ beta (1 - exp(ref_t - logp_t))), times w_t; one
+    mean over the step's completion tokens. A token whose weight is capped keeps its gradient (no token is
+    dropped, unlike the clipped surrogate), and there is no lower clip."""
+    eps_high, beta = 0.25, 0.1
+    got, grad, clip_fraction = kernel_loss("cispo", 0.2, eps_high, beta, weights)
+    tokens = [(i, t) for i in range(3) for t in range(4) if HAND_MASK[i][t]]
+    want, want_grad, capped = 0.0, [[0.0] * 4 for _ in range(3)], 0
+    for i, t in tokens:
+        logp, a = HAND_LOGP[i][t], HAND_ADV[i]
+        rho = math.exp(logp - HAND_OLD[i][t])
+        weight = min(rho, 1 + eps_high)
+        capped += rho > 1 + eps_high
+        w = HAND_W[i][t] if weights else 1.0
+        d = HAND_REF[i][t] - logp
+        want += w * (-weight * a * logp + beta * (math.exp(d) - d - 1)) / len(tokens)
+        want_grad[i][t] = w * (-weight * a + beta * (1 - math.exp(d))) / len(tokens)
+    assert got == pytest.approx(want, rel=1e-12)
+    torch.testing.assert_close(grad, torch.tensor(want_grad, dtype=torch.float64), rtol=1e-12, atol=1e-12)
+    assert capped == 2 and clip_fraction == pytest.approx(2 / len(tokens))  # e^0.4 twice; e^0.2 is not capped
+    assert (
+        math.exp(HAND_LOGP[2][2] - HAND_OLD[2][2]) < 1 - 0.2
+    )  # e^-0.3: below any lower clip, and kept as is
+    assert all(grad[i, t] != 0 for i, t in tokens)
 
 
 # --- the objective's loss through a real model ------------------------------------------------------------------
@@ -99,7 +212,7 @@ def rows(batch: dict, index: list[int]) -> dict:
     return {k: v[index] for k, v in batch.items()}
 
 
-@pytest.mark.parametrize("loss", ["grpo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize("loss", ["grpo", "dapo", "dr_grpo", "gspo", "cispo"])
 @pytest.mark.parametrize("iteration", [0, 1])
 def test_accumulation_and_processes_add_up_to_one_batch(policy, loss, iteration):
     """The same 8 completions as 1 x 8, 2 x 4 and 4 x 2 micro-batches (a process is a micro-batch
@@ -126,6 +239,22 @@ def test_accumulation_and_processes_add_up_to_one_batch(policy, loss, iteration)
         for name, grad in grads.items():
             torch.testing.assert_close(split_grads[name], grad, atol=1e-6, rtol=1e-4, msg=name)
     assert any(g.abs().sum() > 0 for g in grads.values())
+
+
+@pytest.mark.parametrize(("loss", "clip"), [("gspo", {"epsilon": 3e-4, "epsilon_high": 4e-4}),
+                                            ("cispo", {"epsilon_high": 4.0})])  # fmt: skip
+def test_the_twin_proves_the_fused_kernel_on_gspo_and_cispo(loss, clip):
+    """The twin's kernel check runs the run's own loss (with a KL term and capped weights): fused and plain
+    agree, so the kernel stays in, and the Plan names the loss it was proven on."""
+    from transformers import AutoConfig
+
+    from liger_cli.twin.kernel_check import check_kernels
+
+    objective = Grpo(rl(loss=loss, beta=0.1, importance_sampling_cap=2.0, **clip), [], 0, True)
+    requested = {"rms_norm": False, "rope": False, "swiglu": False, "cross_entropy": False,
+                 "fused_linear_cross_entropy": True}  # fmt: skip
+    check = check_kernels(AutoConfig.for_model("llama"), requested, objective=objective)
+    assert check.switched_off == {} and check.loss == f"the grpo loss ({loss}) on rollouts"
 
 
 def test_fused_token_logprobs_equal_the_plain_ones(tiny_model_dir):
@@ -246,6 +375,9 @@ def test_the_recipe_refuses_what_grpo_cannot_do(tmp_path, tiny_model_dir):
     recipe = validate_recipe(base, tmp_path)
     assert recipe.rl.epsilon_high == recipe.rl.epsilon == 0.2
     assert recipe.rl.rewards[0].function == f"{tmp_path / 'rewards.py'}:f"  # anchored at the recipe
+    for loss, clip in (("gspo", {"epsilon": 3e-4, "epsilon_high": 4e-4}), ("cispo", {"epsilon_high": 4.0})):
+        found = validate_recipe({**base, "rl": {**base["rl"], "loss": loss, **clip}}, tmp_path).rl
+        assert (found.loss, found.epsilon_high) == (loss, clip["epsilon_high"])
     cases = [
         ({"training": {"max_steps": 1}}, "data.format prompt goes with training.objective grpo"),
         ({"data": {"train": str(prompts), "format": "chat"}}, "set data.format: prompt"),
@@ -253,7 +385,14 @@ def test_the_recipe_refuses_what_grpo_cannot_do(tmp_path, tiny_model_dir):
         ({"rl": {"rewards": []}}, "rl.rewards"),
         ({"rl": {"rewards": [{"function": "nocolon"}]}}, "write file.py:function"),
         ({"rl": {"max_new_tokens": 64, "rewards": [{"function": "m:f"}]}}, "leaves no room for the prompt"),
-        ({"rl": {"loss": "ppo", "rewards": [{"function": "m:f"}]}}, "rl.loss"),
+        (
+            {"rl": {"loss": "ppo", "rewards": [{"function": "m:f"}]}},
+            "rl.loss.*'grpo', 'dapo', 'dr_grpo', 'gspo' or 'cispo'",
+        ),
+        (
+            {"rl": {"loss": "cispo", "epsilon": 0.1, "rewards": [{"function": "m:f"}]}},
+            "cispo has none.*remove rl.epsilon",
+        ),
     ]
     for over, message in cases:
         data = {**base, **over}

@@ -11,6 +11,7 @@ The one-line errors and `liger generate` run in the test's process (test_train.l
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -204,22 +205,33 @@ def test_the_shipped_grpo_recipe_trains_end_to_end(tmp_path: Path) -> None:
     assert len((out / "rollouts.jsonl").read_text().splitlines()) == 1 * 8 * 8  # 8 prompts x 8 answers
 
 
+SPREAD = [{"function": "spread.py:spread"}]
+"""A reward with spread (the base model never answers exactly): spread.py, written by write_spread."""
 ADAPTER_KINDS = {
-    "full": ({"type": "none"}, {}),  # full fine-tuning (beta 0: no reference copy needed)
-    "dora": ({"type": "dora", "r": 4, "alpha": 8}, {}),
+    # full fine-tuning (beta 0: no reference copy needed), with the cispo loss, its step 2 off-policy
+    "full": ({"type": "none"}, {"rl__loss": "cispo", "rl__epsilon_high": 4.0, "rl__num_iterations": 2,
+                                "rl__rewards": SPREAD}),
+    # with the gspo loss at its paper's clip range, its step 2 off-policy
+    "dora": ({"type": "dora", "r": 4, "alpha": 8},
+             {"rl__loss": "gspo", "rl__epsilon": 3e-4, "rl__epsilon_high": 4e-4, "rl__num_iterations": 2,
+              "rl__rewards": SPREAD}),
     "qlora": ({"type": "lora", "r": 4, "alpha": 8}, {"model__quantize": "nf4"}),
-}
+}  # fmt: skip
+
+
+def write_spread(folder: Path) -> None:
+    (folder / "spread.py").write_text(
+        "def spread(completion_ids, **kwargs):\n    return [sum(i % 7 for i in ids) / 20 for ids in completion_ids]\n"
+    )
 
 
 def full_kl_recipe(setup: dict, out: Path, **over) -> Path:
     """Full fine-tuning with a KL term (beta 0.1) and 2 updates per batch of completions (num_iterations),
     5 steps: completions sampled on steps 1, 3 and 5, a checkpoint every step. The reward has spread (the
     base model never answers exactly)."""
-    (out.parent / "spread.py").write_text(
-        "def spread(completion_ids, **kwargs):\n    return [sum(i % 7 for i in ids) / 20 for ids in completion_ids]\n"
-    )
+    write_spread(out.parent)
     settings = {"rl__beta": 0.1, "training__eval_every": None, "training__lr": 1.0e-3, "training__max_steps": 5,
-                "rl__rewards": [{"function": "spread.py:spread"}], "rl__num_iterations": 2, "output__save_every": 1}  # fmt: skip
+                "rl__rewards": SPREAD, "rl__num_iterations": 2, "output__save_every": 1}  # fmt: skip
     path = grpo_recipe(setup, out, **{**settings, **over})
     recipe = yaml.safe_load(path.read_text())
     recipe["adapter"] = {"type": "none"}
@@ -235,6 +247,7 @@ def runs(setup) -> dict:
     stopped after step 2. The resumes are fresh `liger train` processes, in the tests."""
     root = setup["root"] / "driver"
     root.mkdir()
+    write_spread(root)
     outs = {name: root / name for name in (*ADAPTER_KINDS, "kl-whole", "kl-stopped")}
     cases = []
     for name, (adapter, over) in ADAPTER_KINDS.items():
@@ -257,8 +270,26 @@ def test_every_adapter_kind_trains_with_grpo(runs: dict, kind: str) -> None:
     out = runs[kind]
     weights = "model" if kind == "full" else "adapter_model"
     assert (out / "final" / f"{weights}.safetensors").is_file()  # and verified: the fixture counts them
-    assert len((out / "rollouts.jsonl").read_text().splitlines()) == 2 * 4 * 4
+    batches = 2 // ADAPTER_KINDS[kind][1].get("rl__num_iterations", 1)  # of completions, in 2 steps
+    assert len((out / "rollouts.jsonl").read_text().splitlines()) == batches * 4 * 4
     assert all(m["sampler/abs_logp_diff"] < 1e-4 for m in metrics(out) if "loss" in m)
+
+
+def test_gspo_and_cispo_train_end_to_end(runs: dict) -> None:
+    """The dora run trains with gspo, the full one with cispo (tests/test_grpo.py proves their math): each
+    logs its loss and clip fraction; step 1 is on-policy (every ratio 1: nothing clipped), step 2 trains
+    the same completions again with the old log-probs of the weights that sampled them."""
+    found = {}
+    for kind, loss in (("dora", "gspo"), ("full", "cispo")):
+        assert yaml.safe_load((runs[kind] / "recipe.yaml").read_text())["rl"]["loss"] == loss
+        steps = found[loss] = [m for m in metrics(runs[kind]) if "loss" in m]
+        assert [m["step"] for m in steps] == [1, 2], kind
+        assert steps[0]["reward_std"] > 0, kind  # the spread reward: advantages to learn from
+        assert steps[0]["clip_fraction"] == 0 and 0 <= steps[1]["clip_fraction"] <= 1, (kind, steps)
+        assert steps[0]["reward"] == steps[1]["reward"], kind  # one batch of completions, two updates
+        assert all(math.isfinite(m["loss"]) for m in steps), (kind, steps)
+    # gspo's clip range (3e-4, 4e-4) bounds the sequence ratio: one update moves completions out of it.
+    assert found["gspo"][1]["clip_fraction"] > 0, found["gspo"]
 
 
 def test_num_iterations_reuses_each_batch_of_completions(runs: dict) -> None:

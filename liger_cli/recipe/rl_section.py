@@ -1,4 +1,5 @@
-"""The recipe's `rl` section: online RL (`training.objective: grpo`) and its variants (DAPO, Dr. GRPO).
+"""The recipe's `rl` section: online RL (`training.objective: grpo`) and its variants (DAPO, Dr. GRPO,
+GSPO, CISPO).
 
 The names are fixed by what users of other RL trainers know; the math of each option is one line in
 docs/rl.md and in `liger_kernels.grpo`.
@@ -56,12 +57,15 @@ class RLSection(_Section):
     beta: float = Field(0.0, ge=0)
     """Weight of the KL penalty to the reference (k3 estimator); 0 runs no reference pass at all."""
     epsilon: float = Field(0.2, gt=0, lt=1)
-    """Clip range below 1 for the importance ratio."""
+    """Clip range below 1 for the importance ratio (gspo: of the sequence ratio, e.g. 3e-4; cispo has none)."""
     epsilon_high: float | None = Field(None, gt=0)
-    """Clip range above 1 (DAPO: 0.28); default epsilon."""
-    loss: Literal["grpo", "dapo", "dr_grpo"] = "grpo"
+    """Clip range above 1 (DAPO: 0.28; gspo e.g. 4e-4; cispo: the weight is at most 1 + epsilon_high);
+    default epsilon."""
+    loss: Literal["grpo", "dapo", "dr_grpo", "gspo", "cispo"] = "grpo"
     """grpo: per-completion token mean, then mean over completions; dapo: one mean over the step's
-    completion tokens; dr_grpo: token sum / (completions x max_new_tokens)."""
+    completion tokens; dr_grpo: token sum / (completions x max_new_tokens); gspo: one clipped ratio per
+    completion (the geometric mean of its token ratios), averaged as grpo; cispo: each token's weight
+    min(ratio, 1 + epsilon_high), detached, times its log-prob, averaged as dapo."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """Divide advantages by the group's std (group), the step's (batch), or not at all (none: Dr. GRPO)."""
     num_iterations: int = Field(1, ge=1)
@@ -97,6 +101,11 @@ class RLSection(_Section):
 
     @model_validator(mode="after")
     def _ranges(self) -> RLSection:
+        if self.loss == "cispo" and self.epsilon != type(self).model_fields["epsilon"].default:
+            raise ValueError(
+                "rl.epsilon is a lower clip, and cispo has none (its weights are only capped above, at "
+                "1 + rl.epsilon_high): remove rl.epsilon"
+            )
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
         if self.tools and self.environment:

@@ -1,6 +1,6 @@
-"""GRPO (and DAPO, Dr. GRPO): an online objective. Its batches are made during the run: each step's
-prompts are sampled G times from the model being trained, scored by the recipe's reward functions,
-and turned into advantages; then the loss is the clipped surrogate of `liger_kernels.grpo`.
+"""GRPO (and DAPO, Dr. GRPO, GSPO, CISPO): an online objective. Its batches are made during the run:
+each step's prompts are sampled G times from the model being trained, scored by the recipe's reward
+functions, and turned into advantages; then the loss is `rl.loss`'s, in `liger_kernels.grpo`.
 
 `rollout` makes a step's micro-batches (every prompt's G completions in the same micro-batch, so a
 group's statistics are local), through `sample`, the run's way of calling the generation engine on the
@@ -19,7 +19,7 @@ policy's, no second wrapped model.
 `loss` takes each completion token's log-prob at the same temperature through the model's own
 forward (fused with our kernel patched in: never the [tokens, vocab] logits), then sums the per-token
 loss as `rl.loss` aggregates and divides by the step's global units (completions; completion tokens
-for dapo), like every objective, so micro-batches and processes add up to one batch's update.
+for dapo and cispo), like every objective, so micro-batches and processes add up to one batch's update.
 """
 
 from __future__ import annotations
@@ -48,8 +48,10 @@ class Grpo:
     online = True
 
     def __init__(self, rl, rewards: list[Reward], seed: int, adapter: bool):
+        from liger_kernels.grpo import PER_TOKEN
+
         self.rl, self.rewards, self.seed, self.adapter = rl, rewards, seed, adapter
-        self.unit = "completion token" if rl.loss == "dapo" else "completion"
+        self.unit = "completion token" if rl.loss in PER_TOKEN else "completion"
         self.step_stats: dict[str, float] = {}
         """The last rollout's metrics (means over every completion of the step, all processes)."""
         self.samples: list[dict] = []
@@ -116,7 +118,7 @@ class Grpo:
             weights = torch.clamp(ratio, max=rl.importance_sampling_cap) * mask
         per_token, stats = grpo_token_loss(
             logp, old, batch["advantages"], mask, rl.epsilon, rl.epsilon_high, rl.beta,
-            batch.get("ref_logp"), weights,
+            batch.get("ref_logp"), weights, rl.loss,
         )  # fmt: skip
         divide = num_items.to(per_token.device, per_token.dtype)
         metrics = {"clip_fraction": aggregate(stats["clipped"], mask, rl.loss, rl.max_new_tokens) / divide}
