@@ -47,7 +47,6 @@ SLOW_FILES: dict[str, int] = {
     "test_generate_backends.py": 81,
     "test_startup.py": 81,
     "test_vlm_distributed.py": 75,
-    "test_accumulation_runs.py": 74,
     "test_reference_logps.py": 71,
     "test_output_safety.py": 70,
     "test_grpo_backends.py": 69,

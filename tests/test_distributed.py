@@ -76,6 +76,17 @@ def dpo_full(assets: dict) -> dict:
     return {**dpo(assets), "adapter__type": "none", "data__eval_fraction": 0.15}
 
 
+# How a step is split changes the micro-batch size too (so padding and each micro-batch's label count
+# differ): micro-batch 4 x accumulation 1 (the reference), 1 x 4, and (DDP, 2 processes) 1 x 2.
+ACCUMULATION = {"mb4-acc1": (4, 1), "mb1-acc4": (1, 4)}
+DDP_ACCUMULATION = {"ddp-mb1-acc2": (1, 2)}
+
+
+def split_step(name: str) -> dict:
+    micro, accum = {**ACCUMULATION, **DDP_ACCUMULATION}[name]
+    return {"training__micro_batch_size": micro, "training__grad_accum": accum}
+
+
 def preference_cases(assets: dict) -> dict[str, dict]:
     """Every preference objective in the 2-process comparison: DPO with LoRA and full, SimPO with LoRA
     (no reference), ORPO full (no reference, its NLL term)."""
@@ -138,13 +149,14 @@ def references(assets) -> dict[str, Path]:
     root = assets["root"] / "ref"
     root.mkdir()
     preference = preference_cases(assets)
-    outs = {name: root / name for name in ("lora", "full", "tied", "stream", *preference)}
+    outs = {name: root / name for name in ("lora", "full", "tied", "stream", *preference, *ACCUMULATION)}
     cases = [
         write_recipe(assets, outs["lora"]),
         write_recipe(assets, outs["full"], adapter="none"),
         write_recipe(assets, outs["tied"], adapter="none", model="tied"),
         write_recipe(assets, outs["stream"], data__streaming=True),
         *(write_recipe(assets, outs[name], **over) for name, over in preference.items()),
+        *(write_recipe(assets, outs[name], **split_step(name)) for name in ACCUMULATION),
     ]
     run_driver({"cases": [{"recipe": str(c)} for c in cases]}, root, nproc=1)
     return outs
@@ -207,6 +219,9 @@ def backend_cases(assets: dict, folder: Path, backend: str) -> tuple[list[dict],
     if backend.startswith("fsdp"):
         outs["tied"] = folder / "tied"
         cases.append({"recipe": str(write_recipe(assets, outs["tied"], backend, "none", model="tied"))})
+    if backend == "ddp":  # compared with the 1-process micro-batch 4 x accumulation 1 run
+        for name in DDP_ACCUMULATION:
+            cases.append({"recipe": str(write_recipe(assets, folder / name, backend, **split_step(name)))})
     return cases, outs, resumed
 
 
@@ -223,7 +238,8 @@ def backend_runs(assets, tmp_path_factory) -> dict[str, dict]:
         folder.mkdir()
         cases, outs, resumed = backend_cases(assets, folder, backend)
         spec["cases"] += cases
-        runs[backend] = {"outs": outs, "resumed": resumed, "recipes": [Path(c["recipe"]) for c in cases]}
+        runs[backend] = {"outs": outs, "resumed": resumed, "recipes": [Path(c["recipe"]) for c in cases],
+                         "folder": folder}  # fmt: skip
     spec["field_failure_1"] = str(write_recipe(assets, root / "fsdp1" / "ff1", "fsdp1", "none"))
     run_driver(spec, root, nproc=2, timeout=900)
     for run in runs.values():  # what the driver printed for this backend's cases (rank 0)
@@ -263,11 +279,12 @@ def test_two_processes_train_the_one_process_model(backend: str, assets, referen
     got, want = (load_file(p / "final" / "adapter_model.safetensors") for p in (resumed, outs["lora"]))
     for key in want:
         torch.testing.assert_close(got[key], want[key], atol=1e-6, rtol=1e-5, msg=key)
+    others = len(DDP_ACCUMULATION) if backend == "ddp" else 0  # the split-step cases (test below)
     sharding = [line for line in stdout.splitlines() if line.startswith("sharding:")]
-    assert len(sharding) == len(outs) + 1
+    assert len(sharding) == len(outs) + 1 + others
     # What is saved is what was trained: every case reloaded its final/ and compared it (verify.py).
     verified = [line for line in stdout.splitlines() if line.startswith("final model verified")]
-    assert len(verified) == len(outs) + 1, stdout[-3000:]
+    assert len(verified) == len(outs) + 1 + others, stdout[-3000:]
     if backend.startswith("fsdp"):
         assert all("LlamaDecoderLayer" in (outs[n] / "plan.txt").read_text() for n in ("lora", "lora-ac"))
         assert all("1/2" in line for line in sharding), sharding
@@ -277,6 +294,28 @@ def test_two_processes_train_the_one_process_model(backend: str, assets, referen
     if backend == "fsdp1":
         message = (outs["lora"].parent / "ff1.ff1.txt").read_text()
         assert "size mismatch" in message or "shape" in message, message
+
+
+ACCUMULATION_AGREES = (
+    "note: accumulation check: micro-batch 4 x accumulation 1 vs 1 x 4 on a tiny twin "
+    "(padding, uneven label counts): loss and every gradient agree"
+)
+
+
+def test_micro_batch_accumulation_and_processes_train_the_same_model(
+    assets, references, backend_runs
+) -> None:
+    """How a step is split does not change the math, even where the micro-batch size changes (padding,
+    each micro-batch's label count): 4 x 1 and 1 x 4 on one process and 1 x 2 on 2 DDP processes log
+    the same losses and save the same adapter, on instruction data of uneven lengths and label counts."""
+    rows = [json.loads(line) for line in assets["data"].read_text().splitlines()]
+    assert len({len(r["output"]) for r in rows[:16]}) > 4  # uneven label counts: padding is needed
+    reference = references["mb4-acc1"]
+    runs = [references["mb1-acc4"], *(backend_runs["ddp"]["folder"] / name for name in DDP_ACCUMULATION)]
+    for out in runs:
+        assert_same_run(out, reference)  # losses within 1e-5, adapters within 2e-5
+    for out in (reference, *runs):
+        assert ACCUMULATION_AGREES in (out / "plan.txt").read_text()
 
 
 def liger_train(recipe: Path, *args: str, timeout: int = 180) -> subprocess.CompletedProcess:

@@ -3,8 +3,9 @@
 `patch_model` patches a module only when probes of its own code prove our replacement equal. This is
 the second, independent net, on the whole model: a tiny twin of the recipe's model (same class, same
 flags and multipliers, remote code included when the recipe trusts it; `liger_cli.twin.tiny`) runs one
-training step unpatched and then with each requested kernel, and the loss and every gradient are
-compared. A kernel that changes them is switched off for the run, and the Plan says which and why.
+training step unpatched and then with every requested kernel, and the loss and every gradient are
+compared; where they differ, each kernel alone finds which. A kernel that changes them is switched off
+for the run, and the Plan says which and why.
 
 The same twins then generate greedily (the engine of `liger_cli.generate`, KV cache on, left-padded
 prompts): a kernel is kept only if the patched twin chooses the same tokens as the unpatched one, so
@@ -122,12 +123,15 @@ def greedy_tokens(model: nn.Module, batch: dict) -> list[list[int]]:
 def compare_kernels(
     build: Callable[[], nn.Module], batch: dict, requested: dict[str, bool], loss_of: Callable | None = None
 ) -> tuple[dict[str, str], dict[str, str], list[str]]:
-    """Patch fresh builds of the same model kernel by kernel, then all together, and compare one step.
+    """Patch a fresh build of the same model with every requested kernel and compare one step and greedy
+    generation with the unpatched model; only when they differ (or the patched model crashes), patch
+    fresh builds kernel by kernel to find which, then the agreeing ones together.
 
-    `build()` must return the same model (same seeded weights) every call; a fresh build rather than a
-    deep copy, since some models cannot be deep-copied. Every parameter takes a gradient, so every
-    weight is compared. Returns (disagreements: kernel -> why, crashes: kernel -> error, the combined
-    patch report's lines).
+    Together first: when every kernel agrees (the common case) this costs two twins instead of one per
+    kernel plus two, and a wrong kernel is still named by the bisection. `build()` must return the same
+    model (same seeded weights) every call; a fresh build rather than a deep copy, since some models
+    cannot be deep-copied. Every parameter takes a gradient, so every weight is compared. Returns
+    (disagreements: kernel -> why, crashes: kernel -> error, the combined patch report's lines).
     """
     from liger_kernels import patch_model
 
@@ -144,6 +148,17 @@ def compare_kernels(
         reference_tokens = greedy_tokens(unpatched, batch)
     except Exception:  # noqa: BLE001 - a model that cannot generate with a cache: its steps are still compared
         reference_tokens = None
+    model = fresh()
+    try:
+        report = patch_model(model, **{k: bool(requested.get(k)) for k in KERNELS})
+        agree = not report.patched or (
+            disagreement(train_step(model, batch, loss_of=loss_of), reference) is None
+            and (reference_tokens is None or greedy_tokens(model, batch) == reference_tokens)
+        )
+    except Exception:  # noqa: BLE001 - which kernel crashes is found one by one below
+        agree = False
+    if agree:
+        return {}, {}, report.lines()
     wrong: dict[str, str] = {}
     crashed: dict[str, str] = {}
     for kernel in [k for k in KERNELS if requested.get(k)]:
@@ -214,13 +229,14 @@ def check_kernels(
     vision = is_vision_language(config)
     try:
         with twin_session():
-            batch = tiny_image_batch(build()) if vision else tiny_batch(build())
+            probe = build()  # what the batches are drawn for (vocabulary, padding id, image inputs)
+            batch = tiny_image_batch(probe) if vision else tiny_batch(probe)
             loss_of = None
             if hasattr(objective, "twin_batch"):  # online RL: its loss on rollout rows
-                rollout = objective.twin_batch(*twin_vocab(build()))
+                rollout = objective.twin_batch(*twin_vocab(probe))
                 loss_of = lambda model: objective.loss(model, rollout, objective.units(rollout))[0]  # noqa: E731
             elif getattr(objective, "unit", None) == "pair":
-                pairs = objective.collate(tiny_pairs(build()), twin_vocab(build())[1])
+                pairs = objective.collate(tiny_pairs(probe), twin_vocab(probe)[1])
                 loss_of = lambda model: objective.loss(model, pairs, objective.units(pairs))[0]  # noqa: E731
             wrong, crashed, report = compare_kernels(build, batch, requested, loss_of)
     except TinyModelError as err:
