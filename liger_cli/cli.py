@@ -115,9 +115,10 @@ def train(
         raise UserError("--device-memory and --json go with --dry-run: add --dry-run")
     memory_bytes = _device_memory(device_memory) if dry_run else None
     loaded = load_recipe(recipe, set_ or [])
-    from liger_cli.process_state import hide_bitsandbytes_unless_quantized
+    from liger_cli.process_state import hide_bitsandbytes_unless_quantized, hide_deepspeed_unless_used
 
     hide_bitsandbytes_unless_quantized(loaded.model.quantize, loaded.model.path or loaded.model.config)
+    hide_deepspeed_unless_used(loaded.distributed.backend)
     if dry_run:
         from liger_cli.plan.dry_run import dry_run
 

@@ -191,6 +191,16 @@ def hide_bitsandbytes_unless_quantized(quantize: str, model_path: Path | None) -
     sys.modules["bitsandbytes"] = None  # importlib's find_spec then says "not installed"
 
 
+def hide_deepspeed_unless_used(backend: str) -> None:
+    """transformers imports DeepSpeed at its own import whenever DeepSpeed is installed (about 0.3 s and
+    a "Setting accelerator to CPU" log line in every process that loads a model). A process whose run
+    does not use the deepspeed backend hides it from every library, as if it were not installed.
+    Decided before transformers' DeepSpeed integration is imported (it caches what it found)."""
+    if backend == "deepspeed" or {"deepspeed", "transformers.integrations.deepspeed"} & sys.modules.keys():
+        return
+    sys.modules["deepspeed"] = None  # importlib's find_spec then says "not installed"
+
+
 def silence_hub_kernel_notice() -> None:
     """bitsandbytes' CPU backend tries, when imported, to fetch a kernel from the Hugging Face hub and
     logs HUB_KERNEL_NOTICE when it cannot (its own CPU code then runs). peft imports bitsandbytes

@@ -12,7 +12,8 @@ how many elements of lm_head.weight this rank holds outside any forward (0 when 
 Rank 0's output of each case is also written to RECIPE.stdout (beside the recipe), so a launch that
 runs several backends' cases can be checked case by case. A case with `"expect_error": true` must
 stop with a RunFailed: its message goes to RECIPE.error.txt and the next case runs.
-As in a `liger train` rank, bitsandbytes is hidden when no recipe of the spec quantizes its model.
+As in a `liger train` rank, bitsandbytes is hidden when no recipe of the spec quantizes its model, and
+DeepSpeed when none runs the deepspeed backend.
 """
 
 from __future__ import annotations
@@ -191,17 +192,28 @@ def case_log(recipe_path: str):
             yield
 
 
-def quantizes(spec: dict) -> bool:
-    """Whether any recipe of the spec sets model.quantize (read plainly: a resume's checkpoint does
-    not exist yet when the spec starts)."""
+def _recipes(spec: dict) -> list[dict]:
+    """Every recipe of the spec, read plainly (a resume's checkpoint does not exist yet when it starts)."""
     paths = [case["recipe"] for case in spec["cases"]]
     paths += [spec[key] for key in ("field_failure_1", "zero3_load", "generation") if spec.get(key)]
-    return any(yaml.safe_load(Path(p).read_text())["model"].get("quantize", "none") != "none" for p in paths)
+    return [yaml.safe_load(Path(p).read_text()) for p in paths]
+
+
+def quantizes(spec: dict) -> bool:
+    """Whether any recipe of the spec sets model.quantize."""
+    return any(r["model"].get("quantize", "none") != "none" for r in _recipes(spec))
+
+
+def uses_deepspeed(spec: dict) -> bool:
+    """Whether any recipe of the spec runs the deepspeed backend."""
+    return any(r.get("distributed", {}).get("backend") == "deepspeed" for r in _recipes(spec))
 
 
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     hide = not quantizes(spec)
+    if not uses_deepspeed(spec):  # as `liger train` does for a backend other than deepspeed
+        process_state.hide_deepspeed_unless_used("none")
     memoize_twin_checks()  # the cases share the twin checks of equal inputs (tests/check_memo.py)
     train.save_final = _save_final_with_checks
     for case in spec["cases"]:

@@ -249,6 +249,7 @@ def worker(recipe_path: Path, overrides: list[str], result_path: Path) -> int:
     process_state.hide_bitsandbytes_unless_quantized(
         recipe.model.quantize, recipe.model.path or recipe.model.config
     )
+    process_state.hide_deepspeed_unless_used(recipe.distributed.backend)
     import liger_kernels  # noqa: F401
     import peft  # noqa: F401  (imported before the baseline, as training would import them)
     import torch  # noqa: F401
