@@ -1,4 +1,4 @@
-"""The CLI: lazy imports, both entry points, exit codes, the dry run."""
+"""The CLI: lazy imports, both entry points, exit codes (real processes), the dry run (in this process)."""
 
 from __future__ import annotations
 
@@ -60,7 +60,11 @@ def test_inspect_wrap_needs_a_model_or_recipe() -> None:
     assert proc.stderr.strip().startswith("error: give a MODEL")
 
 
-def test_dry_run_prints_recipe_and_plan_and_creates_nothing(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_dry_run_prints_recipe_and_plan_and_creates_nothing(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
+    from test_train import liger_here  # in this process: train's real processes are test_recipe.py's, ...
+
     data = tmp_path / "train.jsonl"
     data.write_text("\n".join(json.dumps({"text": f"example {i}"}) for i in range(8)) + "\n")
     recipe = tmp_path / "r.yaml"
@@ -71,7 +75,8 @@ def test_dry_run_prints_recipe_and_plan_and_creates_nothing(tiny_model_dir: Path
         "distributed: {backend: fsdp2, num_processes: 2, activation_checkpointing: auto}\n"
         "output: {dir: out}\n"
     )
-    proc = run("train", str(recipe), "--dry-run", "--set", "training.lr=1e-4")
+    monkeypatch.chdir(tmp_path)  # where `output.dir: out` would land
+    proc = liger_here("train", str(recipe), "--dry-run", "--set", "training.lr=1e-4")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "# resolved recipe" in out and "lr: 0.0001" in out

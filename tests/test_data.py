@@ -444,9 +444,9 @@ def test_validation_runs_before_any_tokenizing(tmp_path):
 
 
 def test_cli_train_exits_2_on_bad_data(tmp_path):
-    """End to end: `liger train` stops before building the model, one line on stderr, exit 2."""
-    import subprocess
-    import sys
+    """End to end: `liger train` stops before building the model, one line on stderr, exit 2 (in this
+    process, `liger_here`: train's real process refusing is test_recipe.py's)."""
+    from test_train import liger_here
 
     train = write_jsonl(
         tmp_path / "train.jsonl", [GOOD] * 3 + [{"instruction": "x", "input": "", "output": None}]
@@ -457,9 +457,7 @@ def test_cli_train_exits_2_on_bad_data(tmp_path):
         f"data: {{train: {train}, format: instruction, max_seq_len: 64}}\n"
         f"output: {{dir: {tmp_path / 'run'}}}\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-m", "liger_cli", "train", str(recipe)], capture_output=True, text=True, timeout=300
-    )
+    proc = liger_here("train", str(recipe))
     assert proc.returncode == 2, proc.stderr
     assert f'{train} row 4: field "output" is missing' in proc.stderr
     assert "Traceback" not in proc.stderr

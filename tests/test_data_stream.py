@@ -1,5 +1,7 @@
 """`data.streaming: true`: the stream encodes exactly as the cached path, seeks to a saved position,
-gives each rank its share of the global micro-batch, and refuses what it cannot do."""
+gives each rank its share of the global micro-batch, and refuses what it cannot do (the refusals in this
+process, `liger_here`: the real processes of `train` and `data` refusing are test_recipe.py's and
+test_user_errors.py's)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 from test_chat_templates import QWEN3_CHAT, TOOL_CHAT, TWO_TURNS, family_tokenizer
 from test_output_safety import one_line_error
-from test_train import liger
+from test_train import liger_here
 
 from liger_cli.data import prepare_data
 from liger_cli.data.stream import START, StreamBatches, encoded_stream
@@ -208,7 +210,7 @@ def test_what_streaming_cannot_do_is_one_line_exit_2(tmp_path, change, says):
     overrides = ["--set", change]
     if change.startswith("training.epochs"):
         overrides = ["--set", "training.max_steps=null", *overrides]
-    line = one_line_error(liger("train", str(recipe), "--dry-run", *overrides))
+    line = one_line_error(liger_here("train", str(recipe), "--dry-run", *overrides))
     assert says in line, line
 
 
@@ -230,5 +232,5 @@ def test_liger_data_refuses_a_streaming_recipe_and_says_how_to_check_a_sample(tm
         f"data: {{train: {QUICKSTART / 'data' / 'train.jsonl'}, format: instruction, streaming: true}}\n"
         "training: {max_steps: 2}\n"
     )
-    line = one_line_error(liger("data", str(recipe)))
+    line = one_line_error(liger_here("data", str(recipe)))
     assert "data.streaming" in line and "--set data.streaming=false" in line, line

@@ -1,9 +1,9 @@
 """Nothing lost: a run that fails its checks leaves the output folder as it was; liger only ever
 replaces or resumes into folders it made, and only merge folders it made.
 
-One run and one merge are real processes; the refusals and the second merge run in this process
-(`liger_here`, its exit code and one-line error as the command gives them); refusals as real processes
-are tests/test_user_errors.py's and test_train.py's."""
+One run is a real process; the refusals and the merges run in this process (`liger_here`, its exit code
+and one-line error as the command gives them); refusals as real processes are tests/test_user_errors.py's
+and test_recipe.py's, a real `liger merge` is test_train.py's."""
 
 from __future__ import annotations
 
@@ -109,7 +109,8 @@ def test_merge_replaces_only_a_merge_folder_it_made(finished_run: Path, tmp_path
     sibling = tmp_path / "merged.tmp"  # a folder liger did not make, where it once wrote its temporary
     sibling.mkdir()
     (sibling / "keep.txt").write_text("mine")
-    assert liger("merge", str(run), str(merged)).returncode == 0
+    first = liger_here("merge", str(run), str(merged))
+    assert first.returncode == 0, first.stderr[-2000:]
     assert (merged / "model.safetensors").is_file() and (merged / ".liger-merge").is_file()
     assert (sibling / "keep.txt").read_text() == "mine"
     again = liger_here("merge", str(run), str(merged), "--overwrite")

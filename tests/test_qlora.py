@@ -88,8 +88,8 @@ def test_refusal_is_one_line_exit_2(tmp_path: Path, tiny_model_dir: Path) -> Non
     path.write_text(recipe_text(tiny_model_dir, tmp_path / "out", adapter="{type: none}").replace(
         f"{{path: {tiny_model_dir}}}", f"{{path: {tiny_model_dir}, quantize: nf4}}"
     ))  # fmt: skip
-    proc = liger("train", str(path), "--dry-run")
-    assert proc.returncode == 2, proc.stderr
+    proc = liger_here("train", str(path), "--dry-run")  # in this process: train's real process refusing
+    assert proc.returncode == 2, proc.stderr  # is test_recipe.py's
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
     assert "full fine-tuning" in proc.stderr and not (tmp_path / "out").exists()
 
@@ -498,7 +498,7 @@ def test_sharded_plans_count_4bit_bytes(tmp_path: Path) -> None:
         (REPO / "recipes" / "qlora.yaml").read_text().replace(" quickstart/", f" {REPO}/recipes/quickstart/")
     )
     recipe_path.write_text(text + "distributed: {backend: fsdp2, num_processes: 2}\n")
-    proc = liger("train", str(recipe_path), "--dry-run", "--json")
+    proc = liger_here("train", str(recipe_path), "--dry-run", "--json")  # a real dry run: test_cli.py's
     assert proc.returncode == 0, proc.stderr[-2000:]
     planned = json.loads(proc.stdout)["memory"]["components"]["parameters"]
     config = quantize.quantization_config("nf4", True, torch.float32, storage=torch.float32)

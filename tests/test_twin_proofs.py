@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -114,6 +112,7 @@ def test_when_another_attention_implementation_packs_exactly_the_fix_names_it(tm
 
 def test_every_command_refuses_packing_on_a_leaking_model(leaky_dir: Path, tmp_path: Path) -> None:
     """`liger train`, `--dry-run` and `inspect-wrap --recipe`: exit 2, one line, nothing written."""
+    from test_train import liger_here
     from typer.testing import CliRunner
 
     from liger_cli.cli import app
@@ -127,9 +126,7 @@ def test_every_command_refuses_packing_on_a_leaking_model(leaky_dir: Path, tmp_p
         result = CliRunner().invoke(app, args)
         assert result.exit_code == 2, result.output
         assert "data.packing: true would change what LeakyLlamaForCausalLM learns" in result.stderr
-    proc = subprocess.run(
-        [sys.executable, "-m", "liger_cli", "train", str(recipe)], capture_output=True, text=True, timeout=120
-    )
+    proc = liger_here("train", str(recipe))  # train's real process refusing: test_recipe.py's
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: data.packing: true would change"), proc.stderr

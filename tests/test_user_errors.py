@@ -1,4 +1,9 @@
-"""User mistakes on every command: exit 2, one `error:` line naming the problem, no traceback."""
+"""User mistakes on every command: exit 2, one `error:` line naming the problem, no traceback.
+
+`data`, `bench` and `merge` are real processes here (`liger`: the exit code and stderr a user sees); the
+further cases run in this process (`liger_here`, docs/testing.md rule 6): `train`'s real process is
+tests/test_recipe.py::test_real_process_exit_code_and_no_traceback's, `inspect-wrap`'s is
+tests/test_cli.py::test_inspect_wrap_needs_a_model_or_recipe's."""
 
 from __future__ import annotations
 
@@ -7,12 +12,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_train import liger_here
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "recipes" / "quickstart.yaml"
 
 
 def liger(*args: str) -> subprocess.CompletedProcess:
+    """`liger ARGS` as a real process."""
     return subprocess.run(
         [sys.executable, "-m", "liger_cli", *args], capture_output=True, text=True, timeout=120
     )
@@ -34,9 +41,13 @@ def not_utf8(tmp_path_factory) -> Path:
     return path
 
 
+REAL = ("data", "bench")  # each command's real process of this file (merge's: test_merge_mistakes)
+
+
 @pytest.mark.parametrize("command", ["train", "data", "bench", "inspect-wrap --recipe"])
 def test_a_recipe_that_is_not_utf8_text(command: str, not_utf8: Path) -> None:
-    assert_one_line_error(liger(*command.split(), str(not_utf8)), "not UTF-8")
+    run = liger if command in REAL else liger_here
+    assert_one_line_error(run(*command.split(), str(not_utf8)), "not UTF-8")
 
 
 @pytest.fixture(scope="module")
@@ -52,14 +63,14 @@ def with_nul(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("command", ["train", "data"])
 def test_a_recipe_with_a_control_character(command: str, with_nul: Path) -> None:
-    proc = liger(command, str(with_nul))
+    proc = liger_here(command, str(with_nul))
     assert_one_line_error(proc, str(with_nul), "U+0000", "delete it")
     assert "line " in proc.stderr and "column " in proc.stderr
 
 
 @pytest.mark.parametrize("command", ["train", "data"])
 def test_a_set_value_with_a_control_character(command: str) -> None:
-    proc = liger(command, str(QUICKSTART), "--set", "output.dir=runs/\x01x")
+    proc = liger_here(command, str(QUICKSTART), "--set", "output.dir=runs/\x01x")
     assert_one_line_error(proc, "--set output.dir=runs/\\x01x", "U+0001")
 
 
@@ -69,11 +80,11 @@ def test_load_kwargs_that_repeat_the_model_section(tmp_path: Path) -> None:
     assert "load_kwargs" in text
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(text)
-    assert_one_line_error(liger("train", str(recipe), "--dry-run"), "load_kwargs", "dtype")
+    assert_one_line_error(liger_here("train", str(recipe), "--dry-run"), "load_kwargs", "dtype")
 
 
 def test_data_jsonl_into_a_folder(tmp_path: Path) -> None:
-    assert_one_line_error(liger("data", str(QUICKSTART), "--jsonl", str(tmp_path)), "--jsonl", "folder")
+    assert_one_line_error(liger_here("data", str(QUICKSTART), "--jsonl", str(tmp_path)), "--jsonl", "folder")
 
 
 def test_merge_mistakes(tmp_path: Path) -> None:
@@ -82,5 +93,5 @@ def test_merge_mistakes(tmp_path: Path) -> None:
 
 def test_train_into_a_file(tmp_path: Path) -> None:
     (tmp_path / "a-file").write_text("")
-    proc = liger("train", str(QUICKSTART), "--set", f"output.dir={tmp_path / 'a-file'}")
+    proc = liger_here("train", str(QUICKSTART), "--set", f"output.dir={tmp_path / 'a-file'}")
     assert_one_line_error(proc, "is a file")
