@@ -198,12 +198,13 @@ def test_remote_code_run_trains_the_same_with_kernels_on_and_off(remote_model_di
     import json
 
     from safetensors.torch import load_file
-    from test_train import liger, recipe_text
+    from test_train import liger_in_one_process, recipe_text
 
-    runs = {}
+    recipes = {}
     for name, kernels in {
-        "on": "{rms_norm: true, rope: true, swiglu: true, fused_linear_cross_entropy: true}",
+        # off first: the run with kernels on then patches a process whose classes nothing patched before
         "off": "{rms_norm: false, rope: false, swiglu: false, fused_linear_cross_entropy: false}",
+        "on": "{rms_norm: true, rope: true, swiglu: true, fused_linear_cross_entropy: true}",
     }.items():
         recipe = tmp_path / f"{name}.yaml"
         recipe.write_text(
@@ -215,7 +216,11 @@ def test_remote_code_run_trains_the_same_with_kernels_on_and_off(remote_model_di
                 training="{max_steps: 3, micro_batch_size: 4, grad_accum: 1, lr: 5.0e-3, eval_every: 3}",
             )
         )
-        done = liger("train", str(recipe))
+        recipes[name] = recipe
+    runs = {}  # both runs in one process (test_train.liger_in_one_process): one process's imports
+    for name, done in zip(
+        recipes, liger_in_one_process(*(["train", str(r)] for r in recipes.values())), strict=True
+    ):
         assert done.returncode == 0, done.stderr[-3000:]
         runs[name] = (done.stdout, tmp_path / name)
 

@@ -1,9 +1,10 @@
 """Resume continues exactly the run that wrote the checkpoint: a finished run can be made longer,
 a finished run is not retrained, and a checkpoint from another recipe is refused by name.
 
-The two runs the tests compare train in one process (test_train.liger_in_one_process); the resumes
-that train and the killed runs are real processes; a finished run's no-op resume and the refusals run
-in this process (test_train.liger_here: the command's exit code, stdout and one-line error)."""
+The two runs the tests compare, and the resume that makes the 2-step one longer, train in one process
+(test_train.liger_steps_in_one_process); the killed runs and the resume after them are real processes;
+a finished run's no-op resume and the refusals run in this process (test_train.liger_here: the
+command's exit code, stdout and one-line error)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_output_safety import one_line_error, snapshot
-from test_train import QUICK_DATA, adapter_weights, liger, liger_here, liger_in_one_process, recipe_text
+from test_train import QUICK_DATA, adapter_weights, liger, liger_here, liger_steps_in_one_process, recipe_text
 
 STEPS = "micro_batch_size: 4, grad_accum: 2, lr: 5.0e-3, scheduler: constant, seed: 3"
 
@@ -38,15 +39,38 @@ def write_recipe(model_dir: Path, folder: Path, max_steps: int, data: Path) -> P
     return recipe
 
 
+def copy_and_plant(run: str, copy: str, proof: str) -> None:
+    """A copy of the finished 2-step run (folder RUN) at COPY, with pickles that accelerate would read if
+    they were there planted in its checkpoint beside the ones liger writes in plain formats: unpickled,
+    each creates PROOF."""
+    import pickle
+
+    shutil.copytree(run, copy)
+    recipe = Path(copy) / "r.yaml"
+    recipe.write_text(recipe.read_text().replace(run, copy))
+    planted = pickle.dumps(_Planted(Path(proof)))
+    for name in ("random_states_0.pkl", "scheduler.bin"):
+        (Path(copy) / "out" / "checkpoints" / "step-2" / name).write_bytes(planted)
+
+
 @pytest.fixture(scope="module")
-def runs(tiny_model_dir: Path, tmp_path_factory) -> dict[str, Path]:
-    """A 4-step run, and a 2-step run (both finished), trained one after the other in one process."""
+def runs(tiny_model_dir: Path, tmp_path_factory) -> dict:
+    """In one process: a 4-step run, a 2-step run (both finished), then a copy of the 2-step run with
+    pickles planted in its checkpoint (copy_and_plant), made longer (4 steps) by `liger train`'s resume.
+    Keys 4 and 2: their recipes; "continued": (the resume's result, the copy's recipe, the proof file)."""
     root = tmp_path_factory.mktemp("resume")
     data = root / "train.jsonl"
     shutil.copy(QUICK_DATA / "train.jsonl", data)
-    made = {steps: write_recipe(tiny_model_dir, root / f"run{steps}", steps, data) for steps in (4, 2)}
-    for proc in liger_in_one_process(*(["train", str(recipe)] for recipe in made.values())):
+    made: dict = {steps: write_recipe(tiny_model_dir, root / f"run{steps}", steps, data) for steps in (4, 2)}
+    copy, proof = root / "continued", root / "code-ran"
+    procs = liger_steps_in_one_process(
+        *(["train", str(recipe)] for recipe in (made[4], made[2])),
+        {"call": "test_resume.copy_and_plant", "args": [str(made[2].parent), str(copy), str(proof)]},
+        ["train", str(copy / "r.yaml"), "--set", "output.resume=auto", "--set", "training.max_steps=4"],
+    )
+    for proc in procs[:2]:
         assert proc.returncode == 0, proc.stderr[-3000:]
+    made["continued"] = (procs[2], copy / "r.yaml", proof)
     return made
 
 
@@ -56,14 +80,14 @@ def metric_steps(out: Path) -> list[int]:
     ]
 
 
-def test_the_last_step_writes_a_complete_checkpoint(runs: dict[str, Path]) -> None:
+def test_the_last_step_writes_a_complete_checkpoint(runs: dict) -> None:
     out = runs[2].parent / "out"
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2"]
     state = json.loads((out / "checkpoints" / "step-2" / "trainer_state.json").read_text())
     assert state["step"] == 2
 
 
-def test_resuming_a_finished_run_changes_nothing(runs: dict[str, Path]) -> None:
+def test_resuming_a_finished_run_changes_nothing(runs: dict) -> None:
     out = runs[2].parent / "out"
     before = snapshot(out)
     proc = liger_here("train", str(runs[2]), "--set", "output.resume=auto")  # in this process: no training
@@ -73,7 +97,7 @@ def test_resuming_a_finished_run_changes_nothing(runs: dict[str, Path]) -> None:
 
 
 def test_a_finished_run_continues_bit_identical_to_a_longer_run_and_no_checkpoint_runs_code(
-    runs: dict[str, Path], tmp_path: Path
+    runs: dict,
 ) -> None:
     """The 2-step run, made longer (4 steps), equals the 4-step run bit for bit, although pickles that
     accelerate would read were planted in its checkpoint (liger writes plain formats and never reads
@@ -81,16 +105,9 @@ def test_a_finished_run_continues_bit_identical_to_a_longer_run_and_no_checkpoin
     refused with exit 2. No planted pickle ever runs code."""
     import pickle
 
-    copy = tmp_path / "run2"
-    shutil.copytree(runs[2].parent, copy)
-    recipe = copy / "r.yaml"
-    recipe.write_text(runs[2].read_text().replace(str(runs[2].parent), str(copy)))
-    proof = tmp_path / "code-ran"
+    proc, recipe, proof = runs["continued"]  # planted and resumed in the fixture's process
+    copy = recipe.parent
     planted = pickle.dumps(_Planted(proof))
-    # pickles accelerate would read if they were there, beside the ones liger writes in plain formats
-    for name in ("random_states_0.pkl", "scheduler.bin"):
-        (copy / "out" / "checkpoints" / "step-2" / name).write_bytes(planted)
-    proc = liger("train", str(recipe), "--set", "output.resume=auto", "--set", "training.max_steps=4")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not proof.exists()
     assert "resumed from" in proc.stdout and "step-2" in proc.stdout
@@ -115,9 +132,7 @@ def test_a_finished_run_continues_bit_identical_to_a_longer_run_and_no_checkpoin
         ("data.train=CHANGED", "data.train sha256"),
     ],
 )
-def test_a_resume_that_differs_names_the_field(
-    runs: dict[str, Path], tmp_path: Path, change: str, field: str
-) -> None:
+def test_a_resume_that_differs_names_the_field(runs: dict, tmp_path: Path, change: str, field: str) -> None:
     out = runs[4].parent / "out"
     before = snapshot(out)
     data = runs[4].parent.parent / "train.jsonl"
@@ -179,9 +194,7 @@ def killed(recipe: Path, where: str, at: int, *overrides: str) -> int:
     return subprocess.run(args, capture_output=True, text=True, timeout=600).returncode
 
 
-def test_sigkill_at_several_points_then_resume_is_bit_identical(
-    runs: dict[str, Path], tmp_path: Path
-) -> None:
+def test_sigkill_at_several_points_then_resume_is_bit_identical(runs: dict, tmp_path: Path) -> None:
     """Dropout on, a checkpoint every step: killed mid-save, mid-step and before the final save,
     resumed each time; the final adapter equals the uninterrupted run's bit for bit."""
     recipe = tmp_path / "r.yaml"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 from test_data_stream import instruction_rows, write_jsonl
-from test_train import adapter_weights, liger, recipe_text
+from test_train import adapter_weights, liger_steps_in_one_process, recipe_text
 
 
 def streaming_recipe(model_dir: Path, folder: Path, data: Path, max_steps: int) -> Path:
@@ -36,22 +36,28 @@ def losses(out: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in lines if "loss" in r}
 
 
+def keep_only_step_2(through: str, stopped: str) -> None:
+    """The run that stopped at step 2: its step-2 checkpoint, as the run that went on wrote it."""
+    through_out, stopped_out = Path(through) / "out", Path(stopped) / "out"
+    (stopped_out / "checkpoints").mkdir(parents=True)
+    shutil.copytree(through_out / "checkpoints" / "step-2", stopped_out / "checkpoints" / "step-2")
+    shutil.copy(through_out / ".liger-run", stopped_out / ".liger-run")
+
+
 def test_resume_at_step_2_gives_the_same_losses_and_adapter(tiny_model_dir: Path, tmp_path: Path) -> None:
     data = write_jsonl(tmp_path / "train.jsonl", instruction_rows(30))
     through = streaming_recipe(tiny_model_dir, tmp_path / "through", data, 4)
-    proc = liger("train", str(through))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
-    # the run that stopped at step 2: its step-2 checkpoint, as the run that went on wrote it
     stopped = tmp_path / "stopped"
     recipe = streaming_recipe(tiny_model_dir, stopped, data, 4)
-    (stopped / "out" / "checkpoints").mkdir(parents=True)
-    shutil.copytree(tmp_path / "through" / "out" / "checkpoints" / "step-2",
-                    stopped / "out" / "checkpoints" / "step-2")  # fmt: skip
-    shutil.copy(tmp_path / "through" / "out" / ".liger-run", stopped / "out" / ".liger-run")
+    # the run through, the step-2 copy and the resume, in one process (one process's imports)
+    went_through, proc = liger_steps_in_one_process(
+        ["train", str(through)],
+        {"call": "test_stream_resume.keep_only_step_2", "args": [str(tmp_path / "through"), str(stopped)]},
+        ["train", str(recipe), "--set", "output.resume=auto"],
+    )
+    assert went_through.returncode == 0, went_through.stderr[-3000:]
     state = json.loads((stopped / "out" / "checkpoints" / "step-2" / "trainer_state.json").read_text())
     assert state["stream"]["examples"] == 16 and state["stream"]["row"] != 16  # rows were dropped
-    proc = liger("train", str(recipe), "--set", "output.resume=auto")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout and "step-2" in proc.stdout
 

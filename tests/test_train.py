@@ -125,6 +125,46 @@ def liger_in_one_process(*commands: list[str], timeout: int = 900) -> list[subpr
     return [subprocess.CompletedProcess(["liger", *c], *f) for c, f in zip(commands, found, strict=True)]
 
 
+STEPS_IN_ONE_PROCESS = """
+import ctypes, gc, importlib, json, sys
+sys.path.insert(0, sys.argv[1])
+from check_memo import memoize_twin_checks
+from test_train import liger_here
+
+memoize_twin_checks()
+done = []
+for step in json.loads(sys.argv[2]):
+    if isinstance(step, dict):  # {"call": "module.function", "args": [...]}: the test's own work between runs
+        module, function = step["call"].rsplit(".", 1)
+        getattr(importlib.import_module(module), function)(*step["args"])
+        continue
+    done.append(liger_here(*step))
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+print(json.dumps([[p.returncode, p.stdout, p.stderr] for p in done]))
+"""
+
+
+def liger_steps_in_one_process(
+    *steps: list[str] | dict, timeout: int = 900
+) -> list[subprocess.CompletedProcess]:
+    """liger_in_one_process, with the test's own work between the commands in that process: a step is
+    a `liger` command (a list of arguments) or {"call": "module.function", "args": [...]} (a function of
+    a test module, called with those arguments, e.g. to copy or plant files between two runs). Returns
+    the commands' results, in order."""
+    proc = subprocess.run(
+        [sys.executable, "-c", STEPS_IN_ONE_PROCESS, str(Path(__file__).resolve().parent), json.dumps(steps)],
+        capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.splitlines()[-1])
+    commands = [s for s in steps if not isinstance(s, dict)]
+    return [subprocess.CompletedProcess(["liger", *c], *f) for c, f in zip(commands, found, strict=True)]
+
+
 # A driver that trains in-process and simulates a crash at a chosen point, in a fresh process.
 CRASH_DRIVER = """
 import os, signal, sys
@@ -163,14 +203,35 @@ def adapter_weights(run: Path) -> dict[str, torch.Tensor]:
     return load_file(run / "final" / "adapter_model.safetensors")
 
 
+NAN_OVERRIDES = [  # an absurd learning rate with no clipping: the weights overflow and the loss follows
+    "--set", "training.lr=1e30", "--set", "training.max_grad_norm=null",
+    "--set", "training.warmup_steps=0", "--set", "adapter.type=none",
+]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tiny_model_dir: Path, tmp_path_factory) -> Path:
+def module_runs(tiny_model_dir: Path, tmp_path_factory) -> dict:
+    """In ONE process (test_train.liger_in_one_process): the uninterrupted 6-step run, then its
+    `liger merge`, then the run whose loss becomes NaN. The real `liger train` process of this file is
+    the crash test's last resume; `liger merge`'s is test_output_safety's."""
     root = tmp_path_factory.mktemp("uninterrupted")
     recipe = root / "r.yaml"
     recipe.write_text(recipe_text(tiny_model_dir, root / "out"))
-    proc = liger("train", str(recipe))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return root / "out"
+    nan_recipe, nan_out = root / "nan.yaml", root / "nan-out"
+    nan_recipe.write_text(recipe_text(tiny_model_dir, nan_out, output=f"{{dir: {nan_out}, save_every: 1}}"))
+    merged = root / "merged"
+    train, merge, nan = liger_in_one_process(
+        ["train", str(recipe)],
+        ["merge", str(root / "out"), str(merged)],
+        ["train", str(nan_recipe), *NAN_OVERRIDES],
+    )
+    assert train.returncode == 0, train.stderr[-3000:]
+    return {"out": root / "out", "merge": merge, "merged": merged, "nan": nan, "nan_out": nan_out}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(module_runs: dict) -> Path:
+    return module_runs["out"]
 
 
 def test_outputs_of_a_run(uninterrupted: Path) -> None:
@@ -246,7 +307,7 @@ def test_killed_during_save_then_stopped_after_save_resumes_bit_identical(
 
 def test_output_dir_protection(uninterrupted: Path, tmp_path: Path) -> None:
     before = sorted(p.name for p in uninterrupted.rglob("*"))
-    proc = liger("train", str(uninterrupted / "recipe.yaml"))
+    proc = liger_here("train", str(uninterrupted / "recipe.yaml"))  # in this process: a refusal
     assert proc.returncode == 2
     assert "is not empty" in proc.stderr and "output.overwrite=true" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -265,25 +326,8 @@ def test_output_dir_protection(uninterrupted: Path, tmp_path: Path) -> None:
     assert (foreign / "thesis.tex").read_text() == "do not delete"
 
 
-def test_nan_loss_stops_with_the_step_and_keeps_the_last_checkpoint(
-    tiny_model_dir: Path, tmp_path: Path
-) -> None:
-    recipe = tmp_path / "r.yaml"
-    out = tmp_path / "out"
-    recipe.write_text(recipe_text(tiny_model_dir, out, output=f"{{dir: {out}, save_every: 1}}"))
-    # an absurd learning rate with no clipping: the weights overflow and the loss follows
-    proc = liger(
-        "train",
-        str(recipe),
-        "--set",
-        "training.lr=1e30",
-        "--set",
-        "training.max_grad_norm=null",
-        "--set",
-        "training.warmup_steps=0",
-        "--set",
-        "adapter.type=none",
-    )
+def test_nan_loss_stops_with_the_step_and_keeps_the_last_checkpoint(module_runs: dict) -> None:
+    proc, out = module_runs["nan"], module_runs["nan_out"]  # trained with NAN_OVERRIDES
     assert proc.returncode == 1, proc.stderr[-2000:]
     line = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")][0]
     assert "loss is" in line and "at step" in line and "last good checkpoint" in line
@@ -294,13 +338,12 @@ def test_nan_loss_stops_with_the_step_and_keeps_the_last_checkpoint(
 
 
 def test_merge_gives_the_adapter_models_logits(
-    uninterrupted: Path, tiny_model_dir: Path, tmp_path: Path
+    module_runs: dict, uninterrupted: Path, tiny_model_dir: Path
 ) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    merged_dir = tmp_path / "merged"
-    proc = liger("merge", str(uninterrupted), str(merged_dir))
+    proc, merged_dir = module_runs["merge"], module_runs["merged"]  # merged in module_runs' process
     assert proc.returncode == 0, proc.stderr[-2000:]
     verdict = [line for line in proc.stdout.splitlines() if line.startswith("merge verified")]
     assert len(verdict) == 1 and float(verdict[0].rsplit("difference ", 1)[1].rstrip(")")) < 1e-4, proc.stdout
