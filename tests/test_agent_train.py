@@ -1,8 +1,9 @@
 """Agentic RL end to end on the shipped agent model (recipes/agent: a made-up code table the model must
 call a tool to read): what a multi-turn run writes (every trajectory's ids, mask, log-probs, messages,
 stops) and logs, the Plan's verdict on the template, accumulation (2 x 1 = 1 x 2 micro-batches of
-prompts), and a stopped run resumed to the uninterrupted run's weights. The runs share one process
-(tests/dist_driver.py); the resume is a fresh `liger train`, as after a crash."""
+prompts), and a stopped run resumed to the uninterrupted run's weights. The runs are `liger train` in
+the test's process (test_train.liger_here: the runs are not what the tests are about); the resume is a
+fresh `liger train` process, as after a crash."""
 
 from __future__ import annotations
 
@@ -14,8 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 from safetensors.torch import load_file
-from test_distributed import run_driver
-from test_train import liger
+from test_train import liger, liger_here
 
 REPO = Path(__file__).resolve().parents[1]
 AGENT = REPO / "recipes" / "agent"
@@ -47,16 +47,20 @@ def lines(path: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """In one process: the run (2 prompts a micro-batch), the same as 1 x 2 accumulated, and the run
-    stopped after step 2."""
+    """In this process (test_train.liger_here, each its own exit code and output): the run (2 prompts a
+    micro-batch), the same as 1 x 2 accumulated, and the run stopped after step 2."""
     root = tmp_path_factory.mktemp("agent")
     outs = {name: root / name for name in ("whole", "accumulated", "stopped")}
     cases = [agent_recipe(root, outs["whole"]),
              agent_recipe(root, outs["accumulated"], micro_batch_size=1, grad_accum=2),
              agent_recipe(root, outs["stopped"], max_steps=2)]  # fmt: skip
-    proc = run_driver({"cases": [{"recipe": str(c)} for c in cases]}, root, nproc=1, timeout=1200)
-    assert proc.stdout.count("final model verified") == len(cases), proc.stdout[-3000:]
-    assert "the chat template is append-only: one sample per trajectory, token in, token out" in proc.stdout
+    for case in cases:
+        proc = liger_here("train", str(case))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "final model verified" in proc.stdout, proc.stdout[-3000:]
+        assert (
+            "the chat template is append-only: one sample per trajectory, token in, token out" in proc.stdout
+        )
     return {"root": root, **outs}
 
 

@@ -2,9 +2,10 @@
 (`adapter.init`), with every completion in rollouts.jsonl, the sampler and the trainer in agreement,
 an exact resume, `liger generate` on the result, and one-line errors for broken rewards and prompts.
 
-Train once, assert many: the runs that are not about the `liger` process itself (every adapter kind,
-the stopped halves of the resume checks, full fine-tuning with a KL term and 2 iterations per batch)
-share one process through tests/dist_driver.py; every resume is a fresh `liger train`, as after a crash.
+Train once, assert many: the runs that are not about the `liger` process itself (the SFT run, the GRPO
+run, every adapter kind, the stopped halves of the resume checks, full fine-tuning with a KL term and 2
+iterations per batch, the shipped recipe) share one process (test_train.liger_in_one_process); both
+resumes are `liger train` in a fresh process of their own, as after a crash, one after the other.
 The one-line errors and `liger generate` run in the test's process (test_train.liger_here), as does
 `liger bench`'s parent (its two runs are their own processes, as always)."""
 
@@ -17,9 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 from safetensors.torch import load_file
-from test_distributed import run_driver
 from test_output_safety import one_line_error
-from test_train import QUICK_DATA, liger, liger_here, liger_in_one_process, recipe_text
+from test_train import QUICK_DATA, liger_here, liger_in_one_process, recipe_text
 
 TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 # Generous: this file's runs share the machine with another worker's 2-process tests.
@@ -39,9 +39,9 @@ def write_prompts(path: Path, source: Path, n: int) -> Path:
 
 @pytest.fixture(scope="module")
 def setup(tiny_model_dir: Path, tmp_path_factory) -> dict:
-    """A short SFT run (its adapter starts GRPO), prompt files from the quickstart's data, and the GRPO
-    run the tests read (`run`): the two `liger train` commands in one fresh process
-    (test_train.liger_in_one_process: each its own exit code and output)."""
+    """A short SFT run (its adapter starts GRPO), prompt files from the quickstart's data, the GRPO
+    run the tests read (`run`), the runs of `runs` and the shipped recipe for one step: every `liger
+    train` in one fresh process (test_train.liger_in_one_process: each its own exit code and output)."""
     root = tmp_path_factory.mktemp("grpo")
     sft = root / "sft"
     recipe = root / "sft.yaml"
@@ -51,8 +51,16 @@ def setup(tiny_model_dir: Path, tmp_path_factory) -> dict:
     evald = write_prompts(root / "eval.jsonl", QUICK_DATA / "eval.jsonl", 6)
     found = {"root": root, "model": tiny_model_dir, "sft": sft / "final", "train": train, "eval": evald}
     found["run"] = root / "run"
-    sft_proc, found["run_proc"] = liger_in_one_process(
-        ["train", str(recipe)], ["train", str(grpo_recipe(found, found["run"]))], timeout=2 * TIMEOUT
+    found["outs"], cases = driver_cases(found)
+    found["shipped"] = root / "shipped"
+    shipped = ["train", str(Path(__file__).resolve().parents[1] / "recipes" / "grpo.yaml"),
+               "--set", f"output.dir={found['shipped']}", "--set", "training.max_steps=1"]  # fmt: skip
+    sft_proc, found["run_proc"], *found["case_procs"], found["shipped_proc"] = liger_in_one_process(
+        ["train", str(recipe)],
+        ["train", str(grpo_recipe(found, found["run"]))],
+        *(["train", str(case)] for case in cases),
+        shipped,
+        timeout=2 * TIMEOUT,
     )
     assert sft_proc.returncode == 0, sft_proc.stderr[-3000:]
     return found
@@ -137,19 +145,10 @@ def test_generate_runs_on_the_grpo_result(run: Path, setup, tmp_path: Path) -> N
     assert len(rows) == 6 and all("answer" in r and "completion" in r for r in rows)
 
 
-def test_a_stopped_run_resumes_to_the_same_weights(setup, run: Path, runs: dict) -> None:
+def test_a_stopped_run_resumes_to_the_same_weights(run: Path, runs: dict, resumed: dict) -> None:
     """Sampling is keyed by (seed, step, prompt row, completion): a run stopped after step 2 and resumed
     samples what the uninterrupted run sampled, and ends with the same adapter."""
-    out = runs["stopped"]
-    proc = liger(
-        "train",
-        str(grpo_recipe(setup, out)),
-        "--set",
-        "output.resume=auto",
-        "--set",
-        "output.overwrite=false",
-        timeout=TIMEOUT,
-    )
+    out, proc = runs["stopped"], resumed["stopped"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     got, want = (load_file(p / "final" / "adapter_model.safetensors") for p in (out, run))
     assert got.keys() == want.keys()
@@ -187,16 +186,12 @@ def test_broken_rewards_and_long_prompts_are_one_line_errors(setup) -> None:
     assert "data.train prompt row 3" in line and "data.max_seq_len - rl.max_new_tokens" in line, line
 
 
-def test_the_shipped_grpo_recipe_trains_end_to_end(tmp_path: Path) -> None:
+def test_the_shipped_grpo_recipe_trains_end_to_end(setup) -> None:
     """recipes/grpo.yaml, as shipped but for one step: its SFT adapter, prompts, reward and the 100
     held-out numbers run end to end, and step 0's eval is the documented start (0.47 answered exactly).
     That 200 steps raise it well above (the recipe's claim) is measured by scripts/check_grpo_recipe.py
-    (docs/rl.md has the number)."""
-    recipe = Path(__file__).resolve().parents[1] / "recipes" / "grpo.yaml"
-    out = tmp_path / "grpo"
-    proc = liger(
-        "train", str(recipe), "--set", f"output.dir={out}", "--set", "training.max_steps=1", timeout=TIMEOUT
-    )
+    (docs/rl.md has the number). Trained in `setup`'s process."""
+    out, proc = setup["shipped"], setup["shipped_proc"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "final model verified" in proc.stdout
     evals = [(m["step"], m["eval_reward"]) for m in metrics(out) if "eval_reward" in m]
@@ -239,12 +234,11 @@ def full_kl_recipe(setup: dict, out: Path, **over) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def runs(setup) -> dict:
-    """The runs no test needs a `liger` process of its own for, in ONE process (tests/dist_driver.py:
-    `liger train`'s training, case after case): every adapter kind for 2 steps; the full-fine-tuning KL
-    run whole and stopped after step 3 (half-way through its second batch's updates); and the main run
-    stopped after step 2. The resumes are fresh `liger train` processes, in the tests."""
+def driver_cases(setup: dict) -> tuple[dict, list[Path]]:
+    """The runs no test needs a `liger` process of its own for (`setup` trains them in its one process):
+    every adapter kind for 2 steps; the full-fine-tuning KL run whole and stopped after step 3 (half-way
+    through its second batch's updates); and the main run stopped after step 2. The resumes are `liger
+    train` in a fresh process (`resumed`)."""
     root = setup["root"] / "driver"
     root.mkdir()
     write_spread(root)
@@ -260,9 +254,30 @@ def runs(setup) -> dict:
     cases.append(full_kl_recipe(setup, outs["kl-stopped"], training__max_steps=3))
     outs["stopped"] = setup["root"] / "stopped"
     cases.append(grpo_recipe(setup, outs["stopped"], training__max_steps=2))
-    proc = run_driver({"cases": [{"recipe": str(c)} for c in cases]}, root, nproc=1, timeout=2 * TIMEOUT)
-    assert proc.stdout.count("final model verified") == len(cases), proc.stdout[-3000:]
-    return outs
+    return outs, cases
+
+
+@pytest.fixture(scope="module")
+def runs(setup) -> dict:
+    """The driver cases' outputs (driver_cases), each run verified."""
+    for proc in setup["case_procs"]:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "final model verified" in proc.stdout, proc.stdout[-3000:]
+    return setup["outs"]
+
+
+@pytest.fixture(scope="module")
+def resumed(setup, runs: dict) -> dict:
+    """Both stopped runs resumed (`output.resume=auto`), in ONE fresh process that trained neither half
+    (test_train.liger_in_one_process: each its own exit code and output), as after a crash."""
+    procs = liger_in_one_process(
+        ["train", str(grpo_recipe(setup, runs["stopped"])), "--set", "output.resume=auto",
+         "--set", "output.overwrite=false"],
+        ["train", str(full_kl_recipe(setup, runs["kl-stopped"])), "--set", "output.resume=auto",
+         "--set", "output.overwrite=false"],
+        timeout=TIMEOUT,
+    )  # fmt: skip
+    return dict(zip(("stopped", "kl-stopped"), procs, strict=True))
 
 
 @pytest.mark.parametrize("kind", list(ADAPTER_KINDS))
@@ -316,15 +331,16 @@ def test_full_fine_tuning_with_a_kl_term_plans_a_reference_and_starts_at_kl_0(se
     assert steps[0]["kl"] == 0 and all(m["kl"] > 0 for m in steps[1:]), [m["kl"] for m in steps]
 
 
-def test_a_resume_between_iterations_keeps_the_completions_and_the_kl_reference(setup, runs: dict) -> None:
+def test_a_resume_between_iterations_keeps_the_completions_and_the_kl_reference(
+    runs: dict, resumed: dict
+) -> None:
     """Stopped after step 3 (half-way through the second batch's updates): the checkpoint holds that batch
     of completions with its old log-probs, so the resumed step 4 trains on them and logs what the
     uninterrupted run logged; the reference is still the starting weights (not the checkpoint's), and
     the run ends with the uninterrupted run's weights."""
     stopped, whole = runs["kl-stopped"], runs["kl-whole"]
     assert (stopped / "checkpoints" / "step-3" / "objective_state_0.safetensors").is_file()
-    proc = liger("train", str(full_kl_recipe(setup, stopped)), "--set", "output.resume=auto",
-                 "--set", "output.overwrite=false", timeout=TIMEOUT)  # fmt: skip
+    proc = resumed["kl-stopped"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     rollouts = [json.loads(line) for line in (stopped / "rollouts.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rollouts] == [1] * 16 + [3] * 16 + [5] * 16  # step 4 sampled nothing new

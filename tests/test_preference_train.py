@@ -181,18 +181,19 @@ def write_train_recipe(tmp_path: Path, model_dir: Path, objective: str) -> tuple
 def train(
     tmp_path: Path, model_dir: Path, objective: str, *extra: str
 ) -> tuple[subprocess.CompletedProcess, Path]:
+    """`liger train` in this process (test_train.liger_here: what a real process returns): the run is not
+    what the tests are about, and `liger train`'s real process is other files' tests'."""
+    from test_train import liger_here
+
     recipe, out = write_train_recipe(tmp_path, model_dir, objective)
-    proc = subprocess.run(
-        [sys.executable, "-m", "liger_cli", "train", str(recipe), *extra],
-        capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    return proc, out
+    return liger_here("train", str(recipe), *extra), out
 
 
 @pytest.fixture(scope="module")
 def dpo_run(tiny_model_dir, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     """One `liger train` of the DPO recipe, 4 steps with checkpoints at 2 and 4: the run whose metrics
-    and adapter the tests read, and the uninterrupted run a resume must reproduce."""
+    and adapter the tests read, and the uninterrupted run a resume must reproduce (the resume is in
+    later_runs' fresh process)."""
     tmp_path = tmp_path_factory.mktemp("dpo-run")
     proc, out = train(
         tmp_path, tiny_model_dir, "dpo", "--set", "training.max_steps=4", "--set", "output.save_every=2"

@@ -19,7 +19,7 @@ import pytest
 import torch
 from test_distributed import child_env, free_port
 from test_generate_cli import Terminal, generated, reply
-from test_train import liger
+from test_train import liger_here
 from typer.testing import CliRunner
 
 from liger_cli import cli
@@ -34,12 +34,15 @@ NEW_TOKENS = "6"
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
     """recipes/vision.yaml for 6 steps: a LoRA + projector run of the tiny LLaVA on image rows (no eval,
-    no kernels: they do not change what is saved)."""
+    no kernels: they do not change what is saved). In this process (test_train.liger_here): the run is not
+    what these tests are about, and `liger train`'s real process is other files' tests'."""
     out = tmp_path_factory.mktemp("vlm-run") / "run"
     sets = [f"output.dir={out}", "training.max_steps=6", "training.micro_batch_size=4", "training.warmup_steps=0",
             "training.eval_samples=0", "training.eval_every=null", "data.eval=null", "kernels.check=false",
             *(f"kernels.{k}=false" for k in ("rms_norm", "rope", "swiglu", "fused_linear_cross_entropy"))]  # fmt: skip
-    proc = liger("train", str(REPO / "recipes" / "vision.yaml"), *(a for s in sets for a in ("--set", s)))
+    proc = liger_here(
+        "train", str(REPO / "recipes" / "vision.yaml"), *(a for s in sets for a in ("--set", s))
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return out
 
