@@ -2,9 +2,9 @@
 
 A driver (tests/dist_driver.py, tests/generation_driver.py, test_train.liger_in_one_process) runs
 several recipes in one process; most differ only in what the twin checks never read (the output
-folder, the data, the backend, the number of steps), yet each ran the kernel check (about 8 tiny
-twins built, 7 steps and 5 greedy generations: several times the cost of a 4-step tiny run) and the
-pipeline check again. The checks are deterministic functions of their inputs, so the second call with
+folder, the data, the backend, the number of steps), yet each ran the kernel check (three tiny
+twins built, two steps and two greedy generations when every kernel agrees) and the pipeline check
+again. The checks are deterministic functions of their inputs, so the second call with
 the same inputs returns the first's result: what the Plan says, and what the run then patches, is
 what a fresh process computes. The key holds everything the checks are given or read from the recipe
 (liger_cli/plan/decide.py: `_check_kernels`, `_check_pipeline`): the model's config, the requested
