@@ -129,3 +129,48 @@ def test_the_committed_table_is_current_and_the_sample_covers_its_code_paths(swe
     every_path = set().union(*map(_reasons, built.values()))
     ours = set().union(*map(_reasons, ours_built.values()))
     assert every_path - ours == set(), f"add a type with these code paths to SAMPLE: {every_path - ours}"
+
+
+def test_every_causal_lm_config_shrinks_within_its_caps():
+    """shrink_config on every causal-LM type's own config class (no model built: about 4 s for all of
+    them, both depths): the class is kept, no capped size grows past its cap, no depth grows, and every
+    special token id of the text config lands inside its shrunk vocabulary. The build and the kernels of
+    one type per code path are the sweep above; every type built is `scripts/kernel_coverage.py`."""
+    import warnings
+
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from liger_cli.twin import shrink_rules as rules
+    from liger_cli.twin.shrink import shrink_config, stored, sub_configs
+
+    grown, outside, shrunk = [], [], 0
+    for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                config = AutoConfig.for_model(model_type)
+        except Exception:  # noqa: BLE001 - a config class that needs arguments: the full sweep lists it
+            continue
+        for rounds in (1, 2):
+            tiny = shrink_config(config, rounds=rounds)
+            shrunk += 1
+            assert type(tiny) is type(config), model_type
+            for old, new in zip(sub_configs(config), sub_configs(tiny), strict=True):
+                for name, cap in [*rules.CAP.items(), ("num_hidden_layers", 0)]:
+                    was, now = stored(old, name), stored(new, name)
+                    sizes = all(isinstance(v, int) and not isinstance(v, bool) for v in (was, now))
+                    if sizes and now > max(cap, 0) and now > was:
+                        grown.append((model_type, rounds, name, was, now))
+            try:
+                text = tiny.get_text_config(decoder=True)
+            except (ValueError, AttributeError):
+                text = tiny
+            vocab = stored(text, "vocab_size")
+            for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+                value = stored(text, name)
+                if isinstance(vocab, int) and isinstance(value, int) and not 0 <= value < vocab:
+                    outside.append((model_type, name, value, vocab))
+    assert shrunk > 300, shrunk  # about 188 types, each at both depths
+    assert grown == [], grown
+    assert outside == [], outside
