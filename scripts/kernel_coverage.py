@@ -134,8 +134,10 @@ def sweep(types: list[str], workers: int, timeout: float) -> list[dict]:
         else:
             running.pop(model_type, None)
             rows[model_type] = row
-    for p in procs:
-        p.kill()
+    for p in procs:  # a worker ends once the queue is empty; only one that hangs is killed
+        p.join(timeout=15)
+        if p.is_alive():
+            p.kill()
     return [rows[t] for t in types]
 
 

@@ -2,7 +2,7 @@
 a finished run is not retrained, and a checkpoint from another recipe is refused by name.
 
 The two runs the tests compare, and the resume that makes the 2-step one longer, train in one process
-(test_train.liger_steps_in_one_process); the killed runs and the resume after them are real processes;
+(test_train.liger_in_one_process); the killed runs and the resume after them are real processes;
 a finished run's no-op resume and the refusals run in this process (test_train.liger_here: the
 command's exit code, stdout and one-line error)."""
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_output_safety import one_line_error, snapshot
-from test_train import QUICK_DATA, adapter_weights, liger, liger_here, liger_steps_in_one_process, recipe_text
+from test_train import QUICK_DATA, adapter_weights, liger, liger_here, liger_in_one_process, recipe_text
 
 STEPS = "micro_batch_size: 4, grad_accum: 2, lr: 5.0e-3, scheduler: constant, seed: 3"
 
@@ -63,7 +63,7 @@ def runs(tiny_model_dir: Path, tmp_path_factory) -> dict:
     shutil.copy(QUICK_DATA / "train.jsonl", data)
     made: dict = {steps: write_recipe(tiny_model_dir, root / f"run{steps}", steps, data) for steps in (4, 2)}
     copy, proof = root / "continued", root / "code-ran"
-    procs = liger_steps_in_one_process(
+    procs = liger_in_one_process(
         *(["train", str(recipe)] for recipe in (made[4], made[2])),
         {"call": "test_resume.copy_and_plant", "args": [str(made[2].parent), str(copy), str(proof)]},
         ["train", str(copy / "r.yaml"), "--set", "output.resume=auto", "--set", "training.max_steps=4"],

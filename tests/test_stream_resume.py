@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 from test_data_stream import instruction_rows, write_jsonl
-from test_train import adapter_weights, liger_steps_in_one_process, recipe_text
+from test_train import adapter_weights, liger_in_one_process, recipe_text
 
 
 def streaming_recipe(model_dir: Path, folder: Path, data: Path, max_steps: int) -> Path:
@@ -50,7 +50,7 @@ def test_resume_at_step_2_gives_the_same_losses_and_adapter(tiny_model_dir: Path
     stopped = tmp_path / "stopped"
     recipe = streaming_recipe(tiny_model_dir, stopped, data, 4)
     # the run through, the step-2 copy and the resume, in one process (one process's imports)
-    went_through, proc = liger_steps_in_one_process(
+    went_through, proc = liger_in_one_process(
         ["train", str(through)],
         {"call": "test_stream_resume.keep_only_step_2", "args": [str(tmp_path / "through"), str(stopped)]},
         ["train", str(recipe), "--set", "output.resume=auto"],

@@ -93,15 +93,19 @@ def liger_here(*args: str) -> subprocess.CompletedProcess:
 
 
 IN_ONE_PROCESS = """
-import ctypes, gc, json, sys
+import ctypes, gc, importlib, json, sys
 sys.path.insert(0, sys.argv[1])
 from check_memo import memoize_twin_checks
 from test_train import liger_here
 
 memoize_twin_checks()  # the commands share the twin checks of equal inputs (tests/check_memo.py)
 done = []
-for args in json.loads(sys.argv[2]):
-    done.append(liger_here(*args))
+for step in json.loads(sys.argv[2]):
+    if isinstance(step, dict):  # {"call": "module.function", "args": [...]}: the test's own work between runs
+        module, function = step["call"].rsplit(".", 1)
+        getattr(importlib.import_module(module), function)(*step["args"])
+        continue
+    done.append(liger_here(*step))
     gc.collect()
     try:  # the freed heap back to the OS: the next command starts from what it holds, as a fresh process
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -111,52 +115,16 @@ print(json.dumps([[p.returncode, p.stdout, p.stderr] for p in done]))
 """
 
 
-def liger_in_one_process(*commands: list[str], timeout: int = 900) -> list[subprocess.CompletedProcess]:
+def liger_in_one_process(*steps: list[str] | dict, timeout: int = 900) -> list[subprocess.CompletedProcess]:
     """Several `liger` commands one after the other in ONE fresh process, each through liger_here (its
     own exit code, stdout and stderr): what several runs cost with one process's imports. Between two
     commands the garbage is collected and glibc's freed heap given back to the OS. Only what the
-    command prints through Python's sys.stdout is its stdout: a launch's ranks write to the process's."""
+    command prints through Python's sys.stdout is its stdout: a launch's ranks write to the process's.
+    A step is a command (a list of arguments) or {"call": "module.function", "args": [...]}: a function
+    of a test module called in that process between two commands (to copy or plant files). Returns the
+    commands' results, in order."""
     proc = subprocess.run(
-        [sys.executable, "-c", IN_ONE_PROCESS, str(Path(__file__).resolve().parent), json.dumps(commands)],
-        capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    found = json.loads(proc.stdout.splitlines()[-1])
-    return [subprocess.CompletedProcess(["liger", *c], *f) for c, f in zip(commands, found, strict=True)]
-
-
-STEPS_IN_ONE_PROCESS = """
-import ctypes, gc, importlib, json, sys
-sys.path.insert(0, sys.argv[1])
-from check_memo import memoize_twin_checks
-from test_train import liger_here
-
-memoize_twin_checks()
-done = []
-for step in json.loads(sys.argv[2]):
-    if isinstance(step, dict):  # {"call": "module.function", "args": [...]}: the test's own work between runs
-        module, function = step["call"].rsplit(".", 1)
-        getattr(importlib.import_module(module), function)(*step["args"])
-        continue
-    done.append(liger_here(*step))
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-print(json.dumps([[p.returncode, p.stdout, p.stderr] for p in done]))
-"""
-
-
-def liger_steps_in_one_process(
-    *steps: list[str] | dict, timeout: int = 900
-) -> list[subprocess.CompletedProcess]:
-    """liger_in_one_process, with the test's own work between the commands in that process: a step is
-    a `liger` command (a list of arguments) or {"call": "module.function", "args": [...]} (a function of
-    a test module, called with those arguments, e.g. to copy or plant files between two runs). Returns
-    the commands' results, in order."""
-    proc = subprocess.run(
-        [sys.executable, "-c", STEPS_IN_ONE_PROCESS, str(Path(__file__).resolve().parent), json.dumps(steps)],
+        [sys.executable, "-c", IN_ONE_PROCESS, str(Path(__file__).resolve().parent), json.dumps(steps)],
         capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
