@@ -36,4 +36,7 @@ if ! .venv/bin/python -c "import deepspeed" 2>/dev/null; then
   "${PIP[@]}" install setuptools wheel
   DS_BUILD_OPS=0 "${PIP[@]}" install --no-build-isolation "deepspeed>=0.16,<0.20"
 fi
+# liger's own modules compiled once, here: every liger process (each rank of a launch too) then loads
+# them compiled, also where PYTHONDONTWRITEBYTECODE keeps Python from writing the cache itself.
+.venv/bin/python -m compileall -q liger_cli kernels tests >/dev/null
 echo "setup: done. Activate with: source .venv/bin/activate"

@@ -14,6 +14,7 @@ data.packing whole. Tests about the checks themselves never use it (they call th
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 
@@ -47,3 +48,16 @@ def memoize_twin_checks() -> None:
 
     check_kernels.memoized = True
     decide._check_kernels, decide._check_pipeline = check_kernels, check_pipeline
+
+
+@contextlib.contextmanager
+def twin_checks_memoized():
+    """memoize_twin_checks for the block only: a test worker's later checks are computed afresh."""
+    from liger_cli.plan import decide
+
+    saved = decide._check_kernels, decide._check_pipeline
+    memoize_twin_checks()
+    try:
+        yield
+    finally:
+        decide._check_kernels, decide._check_pipeline = saved

@@ -209,13 +209,9 @@ def uses_deepspeed(spec: dict) -> bool:
     return any(r.get("distributed", {}).get("backend") == "deepspeed" for r in _recipes(spec))
 
 
-def main() -> None:
-    spec = json.loads(Path(sys.argv[1]).read_text())
+def run_cases(spec: dict) -> None:
+    """The spec's cases, one after the other, each as `liger train` trains in a rank."""
     hide = not quantizes(spec)
-    if not uses_deepspeed(spec):  # as `liger train` does for a backend other than deepspeed
-        process_state.hide_deepspeed_unless_used("none")
-    memoize_twin_checks()  # the cases share the twin checks of equal inputs (tests/check_memo.py)
-    train.save_final = _save_final_with_checks
     for case in spec["cases"]:
         saved = {name: os.environ.get(name) for name in case.get("env", {})}
         os.environ.update(case.get("env", {}))
@@ -238,24 +234,45 @@ def main() -> None:
             else:
                 if case.get("expect_error"):
                     raise SystemExit(f"{case['recipe']}: trained, but the test expects it to stop")
-        quantize.shards_weights = shards_weights
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-    if spec.get("field_failure_1"):
-        message = field_failure_1(spec["field_failure_1"])
-        if os.environ.get("RANK", "0") == "0":
-            Path(spec["field_failure_1"]).with_suffix(".ff1.txt").write_text(message)
-    if spec.get("zero3_load"):
-        result = zero3_load(spec["zero3_load"])
-        if os.environ.get("RANK", "0") == "0":
-            Path(spec["zero3_load"]).with_suffix(".zero3.json").write_text(json.dumps(result))
-    if spec.get("generation"):
-        result = generation_gathers(spec["generation"])
-        if os.environ.get("RANK", "0") == "0":
-            Path(spec["generation"]).with_suffix(".generation.json").write_text(json.dumps(result))
+            finally:
+                quantize.shards_weights = shards_weights
+                for name, value in saved.items():
+                    if value is None:
+                        os.environ.pop(name, None)
+                    else:
+                        os.environ[name] = value
+
+
+@contextlib.contextmanager
+def checks_recorded():
+    """`train.save_final` records checks.json first (see the module docstring), until the block ends."""
+    train.save_final = _save_final_with_checks
+    try:
+        yield
+    finally:
+        train.save_final = _real_save_final
+
+
+def run_spec(spec: dict) -> None:
+    """The spec's cases, then its extra checks, each written beside its recipe by rank 0."""
+    with checks_recorded():
+        run_cases(spec)
+    extras = {"field_failure_1": (field_failure_1, ".ff1.txt"), "zero3_load": (zero3_load, ".zero3.json"),
+              "generation": (generation_gathers, ".generation.json")}  # fmt: skip
+    for key, (check, suffix) in extras.items():
+        if spec.get(key):
+            result = check(spec[key])
+            if os.environ.get("RANK", "0") == "0":
+                text = result if isinstance(result, str) else json.dumps(result)
+                Path(spec[key]).with_suffix(suffix).write_text(text)
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    if not uses_deepspeed(spec):  # as `liger train` does for a backend other than deepspeed
+        process_state.hide_deepspeed_unless_used("none")
+    memoize_twin_checks()  # the cases share the twin checks of equal inputs (tests/check_memo.py)
+    run_spec(spec)
     end_process_group()
     exit_now(0)  # as a `liger train` rank ends: no C++ teardown that could abort a finished rank
 

@@ -143,6 +143,18 @@ def run_driver(spec: dict, folder: Path, nproc: int, timeout: int = 240) -> subp
     return proc
 
 
+def run_here(spec: dict) -> None:
+    """The 1-process driver's cases in THIS process (tests/dist_driver.py, no 8 s of imports): each trains
+    through `liger_cli.run.train.run` as in a fresh process, then the process's state is put back
+    (test_train.restored_process_state); the twin checks are shared between the cases only."""
+    import dist_driver
+    from check_memo import twin_checks_memoized
+    from test_train import restored_process_state
+
+    with restored_process_state(), twin_checks_memoized():
+        dist_driver.run_spec(spec)
+
+
 @pytest.fixture(scope="module")
 def references(assets) -> dict[str, Path]:
     """1-process runs of the same recipes: LoRA, full fine-tuning, and full on the tied model."""
@@ -158,7 +170,7 @@ def references(assets) -> dict[str, Path]:
         *(write_recipe(assets, outs[name], **over) for name, over in preference.items()),
         *(write_recipe(assets, outs[name], **split_step(name)) for name in ACCUMULATION),
     ]
-    run_driver({"cases": [{"recipe": str(c)} for c in cases]}, root, nproc=1)
+    run_here({"cases": [{"recipe": str(c)} for c in cases]})
     return outs
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
-from test_distributed import run_driver
+from test_distributed import run_driver, run_here
 
 QUICK = Path(__file__).resolve().parents[1] / "recipes" / "quickstart" / "data"
 AGENT = Path(__file__).resolve().parents[1] / "recipes" / "agent"
@@ -107,7 +107,7 @@ def one_process(assets) -> dict[str, Path]:
     cases = [{"recipe": str(recipe(assets, out, tuning=tuning))} for tuning, out in outs.items()]
     outs["agent"] = assets["root"] / "ref-agent"
     cases.append({"recipe": str(agent_recipe(assets, outs["agent"]))})
-    run_driver({"cases": cases}, assets["root"], nproc=1, timeout=600)
+    run_here({"cases": cases})
     return outs
 
 

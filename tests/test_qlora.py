@@ -294,7 +294,7 @@ OVER = {"model__quantize": "nf4", "data__eval_fraction": 0.125, "training__eval_
 @pytest.fixture(scope="module")
 def qlora_assets(tmp_path_factory) -> dict:
     """The tiny 64-wide model, 64 rows, and the 1-process QLoRA run every backend is compared with."""
-    from test_distributed import QUICK_TRAIN, run_driver, write_recipe
+    from test_distributed import QUICK_TRAIN, run_here, write_recipe
 
     root = tmp_path_factory.mktemp("qlora-dist")
     data = root / "train.jsonl"
@@ -302,7 +302,7 @@ def qlora_assets(tmp_path_factory) -> dict:
     assets = {"model": save_tiny_model(root / "tiny64", hidden_size=64, intermediate_size=128), "data": data}
     (root / "ref").mkdir()
     ref = write_recipe(assets, root / "ref" / "out", **OVER)
-    run_driver({"cases": [{"recipe": str(ref)}]}, root / "ref", nproc=1)
+    run_here({"cases": [{"recipe": str(ref)}]})
     return {**assets, "ref": root / "ref" / "out"}
 
 

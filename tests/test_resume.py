@@ -186,17 +186,22 @@ train.run(recipe, plan)
 """
 
 
-def killed(recipe: Path, where: str, at: int, *overrides: str) -> int:
+def killed(recipe: Path, where: str, at: int, *overrides: str):
+    """KILL_DRIVER in a fresh process (unbuffered, so its output up to the kill is all there)."""
+    import os
     import subprocess
     import sys
 
     args = [sys.executable, "-c", KILL_DRIVER, str(recipe), where, str(at), *overrides]
-    return subprocess.run(args, capture_output=True, text=True, timeout=600).returncode
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
 
 
 def test_sigkill_at_several_points_then_resume_is_bit_identical(runs: dict, tmp_path: Path) -> None:
-    """Dropout on, a checkpoint every step: killed mid-save, mid-step and before the final save,
-    resumed each time; the final adapter equals the uninterrupted run's bit for bit."""
+    """Dropout on, a checkpoint every step: killed mid-save (the previous checkpoint is kept and the
+    half-written save never looks complete), mid-step and right after the last complete checkpoint,
+    before the final save; resumed each time from the last complete checkpoint; the final adapter equals
+    the uninterrupted run's bit for bit, so every resume continued exactly."""
     recipe = tmp_path / "r.yaml"
     out = tmp_path / "out"
     recipe.write_text(
@@ -207,16 +212,21 @@ def test_sigkill_at_several_points_then_resume_is_bit_identical(runs: dict, tmp_
     )
     assert "save_every: 1" in recipe.read_text()
     auto = "output.resume=auto"
-    assert killed(recipe, "mid-save", 2) == -9
-    assert (out / "checkpoints" / ".tmp-step-2").is_dir()
-    assert [p.name for p in (out / "checkpoints").glob("step-*")] == ["step-1"]
-    assert killed(recipe, "mid-step", 4, auto) == -9  # resumed at step 1; dies inside step 3 (grad_accum 2)
+    assert killed(recipe, "mid-save", 2).returncode == -9
+    assert (out / "checkpoints" / ".tmp-step-2").is_dir()  # the half-written save is there...
+    assert [p.name for p in (out / "checkpoints").glob("step-*")] == ["step-1"]  # ...never complete
+    mid_step = killed(recipe, "mid-step", 4, auto)  # resumed at step 1; dies inside step 3 (grad_accum 2)
+    assert mid_step.returncode == -9
+    assert "resumed from" in mid_step.stdout and "step-1" in mid_step.stdout, mid_step.stdout[-3000:]
     assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-1", "step-2"]
-    assert killed(recipe, "before-final", 0, auto) == -9
+    assert not (out / "checkpoints" / ".tmp-step-2").exists()  # the half-written save is gone
+    before_final = killed(recipe, "before-final", 0, auto)
+    assert before_final.returncode == -9
+    assert "resumed from" in before_final.stdout and "step-2" in before_final.stdout
     assert not (out / "final").exists() and (out / "checkpoints" / "step-4").is_dir()
     proc = liger("train", str(recipe), "--set", auto)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "step-4" in proc.stdout
+    assert "resumed from" in proc.stdout and "step-4" in proc.stdout
     a, b = adapter_weights(runs[4].parent / "out"), adapter_weights(out)
     assert a.keys() == b.keys()
     for key in a:

@@ -1,7 +1,9 @@
-"""`liger train` end to end on one process: outputs, resume, crash safety, NaN stop, merge."""
+"""`liger train` end to end on one process: outputs, eval, output protection, NaN stop, merge (crash
+safety and resume: tests/test_resume.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -41,27 +43,43 @@ def liger_here(*args: str) -> subprocess.CompletedProcess:
     the further cases of a command whose real process other tests start (docs/testing.md, rule 6), about
     6 s of imports saved each. An exception that escapes the command is written to stderr as the
     traceback a real process would print (so `"Traceback" not in stderr` still catches it), with exit 1.
-
-    What a run changes process-wide is put back, so later tests of this worker see nothing of it: the
-    environment, warning filters, transformers' log level and progress bars, the DeepSpeed logger's level,
-    accelerate's singletons and the user's files it imported (rewards, tools: data/user_code.py keeps
-    them in sys.modules by path, where a fresh process would import them anew). peft is imported first (bitsandbytes visible, as in the worker), so the
-    command does not hide bitsandbytes from the rest of the worker (`hide_bitsandbytes_unless_quantized`
-    leaves a process alone once peft is imported). glibc's mmap threshold, which a CPU launch lowers to
-    1 MiB, stays lowered: it only makes freed memory go back to the OS sooner."""
-    import logging
-    import os
+    What the command changes process-wide is put back (`restored_process_state`)."""
     import traceback
     import warnings
 
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-    from transformers.utils import logging as hf_logging
     from typer.testing import CliRunner
 
-    from liger_cli import cli, process_state
+    from liger_cli import cli
+
+    with restored_process_state(), warnings.catch_warnings():
+        result = CliRunner().invoke(cli.app, list(args))
+    stderr = result.stderr
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        stderr += "Traceback (most recent call last):\n" + "".join(traceback.format_tb(result.exc_info[2]))
+        stderr += f"{type(result.exception).__name__}: {result.exception}\n"
+    return subprocess.CompletedProcess(["liger", *args], result.exit_code, result.stdout, stderr)
+
+
+@contextlib.contextmanager
+def restored_process_state():
+    """Run a command or a training in this process, then put back what it changed process-wide, so later
+    tests of this worker see nothing of it: the environment, transformers' log level and progress bars,
+    the DeepSpeed logger's level, accelerate's singletons and the user's files it imported (rewards,
+    tools: data/user_code.py keeps them in sys.modules by path, where a fresh process would import them
+    anew). peft is imported first (bitsandbytes visible, as in the worker), so the run does not hide
+    bitsandbytes from the rest of the worker (`hide_bitsandbytes_unless_quantized` leaves a process
+    alone once peft is imported). glibc's mmap threshold, which a CPU launch lowers to 1 MiB, stays
+    lowered: it only makes freed memory go back to the OS sooner."""
+    import logging
+    import os
+
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+    from transformers.utils import logging as hf_logging
+
+    from liger_cli import process_state
 
     process_state.silence_hub_kernel_notice()
-    import peft  # noqa: F401  (before the command: see the docstring)
+    import peft  # noqa: F401  (before the run: see the docstring)
 
     env = dict(os.environ)
     modules = set(sys.modules)
@@ -69,8 +87,7 @@ def liger_here(*args: str) -> subprocess.CompletedProcess:
     deepspeed_level = logging.getLogger("DeepSpeed").level
     accelerate_was_set = bool(PartialState._shared_state)
     try:
-        with warnings.catch_warnings():
-            result = CliRunner().invoke(cli.app, list(args))
+        yield
     finally:
         os.environ.clear()
         os.environ.update(env)
@@ -85,11 +102,6 @@ def liger_here(*args: str) -> subprocess.CompletedProcess:
             PartialState._reset_state()
             AcceleratorState._reset_state(reset_partial_state=True)
             GradientState._reset_state()
-    stderr = result.stderr
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        stderr += "Traceback (most recent call last):\n" + "".join(traceback.format_tb(result.exc_info[2]))
-        stderr += f"{type(result.exception).__name__}: {result.exception}\n"
-    return subprocess.CompletedProcess(["liger", *args], result.exit_code, result.stdout, stderr)
 
 
 IN_ONE_PROCESS = """
@@ -133,40 +145,6 @@ def liger_in_one_process(*steps: list[str] | dict, timeout: int = 900) -> list[s
     return [subprocess.CompletedProcess(["liger", *c], *f) for c, f in zip(commands, found, strict=True)]
 
 
-# A driver that trains in-process and simulates a crash at a chosen point, in a fresh process.
-CRASH_DRIVER = """
-import os, signal, sys
-from liger_cli.run import checkpoint, train
-from liger_cli.plan import build_plan
-from liger_cli.recipe import load_recipe
-
-recipe = load_recipe(sys.argv[1], sys.argv[4:])
-mode, at = sys.argv[2], int(sys.argv[3])
-real_save = checkpoint.save_checkpoint
-
-def save(accelerator, out, step, *state):
-    if mode == "kill-during-save" and step == at:
-        accelerator.save_state(str(checkpoint.checkpoints_dir(out) / f".tmp-step-{step}"))
-        os.kill(os.getpid(), signal.SIGKILL)  # dies after the files, before the rename
-    path = real_save(accelerator, out, step, *state)
-    if mode == "stop-after-save" and step == at:
-        os._exit(17)  # an abrupt end right after a complete checkpoint
-    return path
-
-train.checkpoint.save_checkpoint = save
-train.run(recipe, build_plan(recipe))
-"""
-
-
-def crash(recipe: Path, mode: str, at: int, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", CRASH_DRIVER, str(recipe), mode, str(at), *overrides],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-
-
 def adapter_weights(run: Path) -> dict[str, torch.Tensor]:
     return load_file(run / "final" / "adapter_model.safetensors")
 
@@ -180,8 +158,8 @@ NAN_OVERRIDES = [  # an absurd learning rate with no clipping: the weights overf
 @pytest.fixture(scope="module")
 def module_runs(tiny_model_dir: Path, tmp_path_factory) -> dict:
     """In ONE process (test_train.liger_in_one_process): the uninterrupted 6-step run, then its
-    `liger merge`, then the run whose loss becomes NaN. The real `liger train` process of this file is
-    the crash test's last resume; `liger merge`'s is test_output_safety's."""
+    `liger merge`, then the run whose loss becomes NaN. `liger train`'s real processes are other files'
+    (test_resume's crash test among them); `liger merge`'s is test_output_safety's."""
     root = tmp_path_factory.mktemp("uninterrupted")
     recipe = root / "r.yaml"
     recipe.write_text(recipe_text(tiny_model_dir, root / "out"))
@@ -244,33 +222,6 @@ def test_adapter_loads_in_peft_and_reproduces_eval_loss(uninterrupted: Path, tin
             tokens += int((batch["labels"][:, 1:] != -100).sum())
     expected = json.loads((uninterrupted / "final_metrics.json").read_text())["eval_loss"]
     assert total / tokens == pytest.approx(expected, rel=1e-5)
-
-
-def test_killed_during_save_then_stopped_after_save_resumes_bit_identical(
-    uninterrupted: Path, tiny_model_dir: Path, tmp_path: Path
-) -> None:
-    """One run, two crashes: SIGKILL while step 4 is being saved (the previous checkpoint, step 2, is
-    kept and the half-written save never looks complete), then resumed from step 2 and stopped
-    abruptly right after the complete step-4 save; resumed again by `liger train` from step 4. The
-    final adapter equals the uninterrupted run's bit for bit, so both resumes continued exactly."""
-    recipe = tmp_path / "r.yaml"
-    out = tmp_path / "out"
-    recipe.write_text(recipe_text(tiny_model_dir, out))
-    assert crash(recipe, "kill-during-save", 4).returncode == -9
-    assert (out / "checkpoints" / ".tmp-step-4").is_dir()  # the half-written save is there...
-    assert not (out / "checkpoints" / "step-4").exists()  # ...but never looks complete
-    stopped = crash(recipe, "stop-after-save", 4, "output.resume=auto")
-    assert stopped.returncode == 17, stopped.stderr[-3000:]
-    assert "resumed from" in stopped.stdout and "step-2" in stopped.stdout
-    assert not (out / "checkpoints" / ".tmp-step-4").exists()
-    assert not (out / "final").exists()
-    proc = liger("train", str(recipe), "--set", "output.resume=auto")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "resumed from" in proc.stdout and "step-4" in proc.stdout
-    a, b = adapter_weights(uninterrupted), adapter_weights(out)
-    assert a.keys() == b.keys()
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
 
 
 def test_output_dir_protection(uninterrupted: Path, tmp_path: Path) -> None:

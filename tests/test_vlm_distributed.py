@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_distributed import assert_same_run, losses, run_driver, write_recipe
+from test_distributed import assert_same_run, losses, run_driver, run_here, write_recipe
 
 from liger_cli.data.batches import StepBatches, even_shares
 
@@ -101,9 +101,7 @@ def runs(vlm_assets) -> dict:
             vlm_assets, outs["resumed-1"], output__resume=str(outs["ref-lora"] / "checkpoints" / "step-2")
         ),
     ]
-    stdout = {
-        "one": run_driver({"cases": [{"recipe": str(r)} for r in refs]}, root, nproc=1, timeout=900).stdout
-    }
+    run_here({"cases": [{"recipe": str(r)} for r in refs]})
     two = [vlm_recipe(vlm_assets, outs[name], backend, adapter, **(save if name == "fsdp1-lora" else {}))
            for name, (backend, adapter) in CASES.items() if backend != "deepspeed"]  # fmt: skip
     resume = str(outs["fsdp1-lora"] / "checkpoints" / "step-2")
@@ -112,7 +110,7 @@ def runs(vlm_assets) -> dict:
         zero = vlm_recipe(vlm_assets, outs["zero3-full"], "deepspeed", "none", distributed__zero_stage=3)
         two.append(zero)
     (root / "two").mkdir()
-    stdout["two"] = run_driver(
+    stdout = run_driver(
         {"cases": [{"recipe": str(r)} for r in two]}, root / "two", nproc=2, timeout=900
     ).stdout
     return outs | {"stdout": stdout, "launched": len(two)}
@@ -153,7 +151,7 @@ def test_two_processes_train_the_one_process_vlm(name: str, runs) -> None:
     assert "vision tower (model.vision_tower): frozen" in plan
     trains = "full (peft modules_to_save)" if adapter == "lora" else "full"
     assert f"projector (model.multi_modal_projector): {trains}" in plan
-    stdout = runs["stdout"]["two"]
+    stdout = runs["stdout"]
     verified = [line for line in stdout.splitlines() if line.startswith("final model verified")]
     assert len(verified) == runs["launched"], stdout[-3000:]  # every case of the launch reloaded final/
 
