@@ -26,7 +26,7 @@ The same on every side:
 - LoRA r=16, alpha 32, dropout 0 on all linear layers (the recipe's); G = 8 trajectories per
   prompt at temperature 0.7 (top-p 1, no top-k) with a KV cache (TRL is told `use_cache`: the
   model's config turns it off for training); loss dapo, beta 0, scale_rewards group, one update per
-  batch, AdamW at the recipe's constant learning rate 2e-4, grad-norm clipping at 1.0; a step is
+  batch, AdamW at the recipe's constant learning rate, grad-norm clipping at 1.0; a step is
   --prompts prompts x 8 trajectories (TRL's per_device_train_batch_size counts trajectories);
 - the limits: at most 3 model turns (liger `rl.max_turns: 3`; TRL `max_tool_calling_iterations=2`:
   the first turn plus 2 turns after tool results; on both sides the calls of the last allowed turn
@@ -71,7 +71,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -117,9 +116,7 @@ def recipe() -> dict:
 
 def liger_variant(name: str, shipped: dict, out: Path, args) -> dict:
     import yaml
-
-    from liger_cli.bench.compare import run_variant, variant_overrides
-    from liger_cli.bench.report import read_metrics, summarize
+    from trl_measure import run_liger  # bench/ is on sys.path (main)
 
     path = out / "liger.yaml"
     path.write_text(yaml.safe_dump({
@@ -137,38 +134,29 @@ def liger_variant(name: str, shipped: dict, out: Path, args) -> dict:
         "output": {"dir": str(out / "liger-run"), "overwrite": True},
         "logging": {"every": 1, "tensorboard": False},
     }, sort_keys=False))  # fmt: skip
-    overrides = variant_overrides(name, args.steps, args.warmup, out)
-    worker = run_variant(path, overrides, name, out)
-    if worker["exit_code"] != 0:
-        raise SystemExit(f"liger {name} failed: see {worker['log']}")
-    metrics = out / name / "metrics.jsonl"
-    result = summarize(name, [], metrics, args.warmup, worker["baseline_mb"], worker["wall_s"])
-    _, measured = read_metrics(metrics, args.warmup)
+    figures, measured = run_liger(path, name, out, args.steps, args.warmup)
+    if "error" in figures:
+        raise SystemExit(f"liger {name} failed: see {figures['log']}")
 
     def mean(key: str) -> float:
         return sum(m[key] for m in measured) / len(measured)
 
-    return {"step_time_s": result.step_time_s, "step_times_s": [m["step_time_s"] for m in measured],
-            "peak_mem_mb": result.peak_mem_mb, "generation_s": mean("time/sampling_s"),
+    return {"step_time_s": figures["step_time_s"], "step_times_s": figures["step_times_s"],
+            "peak_mem_mb": figures["peak_mem_mb"], "generation_s": mean("time/sampling_s"),
             "tools_s": mean("time/tools_s"), "sampled_tokens": mean("completion_length"),
             "tool_calls": mean("tool/calls"), "turns": mean("turns"), "reward": mean("reward")}  # fmt: skip
 
 
 def trl_variant(shipped: dict, out: Path, args) -> dict:
+    from trl_measure import run_trl  # bench/ is on sys.path (main)
+
     result = out / "trl.json"
-    argv = [str(args.trl_python), str(Path(__file__).resolve()), "--trl-worker", str(result), "--steps",
-            str(args.steps), "--warmup", str(args.warmup), "--prompts", str(args.prompts)]  # fmt: skip
-    with (out / "trl.log").open("w") as log:
-        code = subprocess.run(
-            argv,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=REPO,
-            env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRL_EXPERIMENTAL_SILENCE": "1"},
-        ).returncode
-    if code != 0:
-        raise SystemExit(f"TRL failed: see {out / 'trl.log'}")
-    return json.loads(result.read_text())
+    worker_argv = ["--trl-worker", str(result), "--steps", str(args.steps), "--warmup", str(args.warmup),
+                   "--prompts", str(args.prompts)]  # fmt: skip
+    found = run_trl(args.trl_python, __file__, worker_argv, result, out)
+    if "error" in found:
+        raise SystemExit(f"TRL failed: see {found['log']}")
+    return found
 
 
 def _load(path: Path):

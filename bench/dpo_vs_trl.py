@@ -52,9 +52,7 @@ import os
 import platform
 import random
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -178,48 +176,24 @@ def liger_recipe(path: Path, model_dir: Path, pairs_file: Path, args) -> Path:
 
 
 def run_liger(variant: str, recipe: Path, out: Path, args) -> dict:
-    from liger_cli.bench.compare import run_variant, variant_overrides
-    from liger_cli.bench.report import read_metrics, summarize
+    from trl_measure import run_liger as run  # bench/ is on sys.path (main)
 
     name = "kernels_on" if variant == "liger_on" else "kernels_off"
-    overrides = variant_overrides(name, args.steps, args.warmup, out)
-    worker = run_variant(recipe, overrides, name, out)
-    if worker["exit_code"] != 0:
-        return {"error": f"exit {worker['exit_code']}", "log": worker["log"]}
-    metrics = out / name / "metrics.jsonl"
-    result = summarize(name, [], metrics, args.warmup, worker["baseline_mb"], worker["wall_s"])
-    _, measured = read_metrics(metrics, args.warmup)
-    return {
-        "step_time_s": result.step_time_s,
-        "step_times_s": [r["step_time_s"] for r in measured],
-        "peak_mem_mb": result.peak_mem_mb,
-        "baseline_mb": worker["baseline_mb"],
-        "first_step_loss": result.first_step_loss,
-        "tokens_per_step": result.tokens_per_s * result.step_time_s,
-        "measured_steps": result.measured_steps,
-        "wall_s": worker["wall_s"],
-        "log": worker["log"],
-    }
+    return run(recipe, name, out, args.steps, args.warmup)[0]
 
 
 # ---------------------------------------------------------------- TRL: a fresh process in .venv-trl
 
 
 def run_trl(model_dir: Path, pairs_file: Path, out: Path, args) -> dict:
-    result, log = out / "trl.worker.json", out / "trl.log"
-    result.unlink(missing_ok=True)
-    argv = [str(args.trl_python), str(Path(__file__).resolve()), "--trl-worker", "--model-dir", str(model_dir),
-            "--pairs-file", str(pairs_file), "--result", str(result), "--out", str(out / "trl"),
-            "--steps", str(args.steps), "--warmup", str(args.warmup), "--pairs", str(args.pairs),
-            "--seq-len", str(args.seq_len), "--lr", str(args.lr), "--beta", str(args.beta),
-            "--seed", str(args.seed)]  # fmt: skip
-    start = time.perf_counter()
-    with log.open("w") as f:
-        code = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, cwd=REPO).returncode
-    wall = time.perf_counter() - start
-    if code != 0 or not result.is_file():
-        return {"error": f"exit {code}", "log": str(log)}
-    return {**json.loads(result.read_text()), "wall_s": wall, "log": str(log)}
+    from trl_measure import run_trl as run  # bench/ is on sys.path (main)
+
+    result = out / "trl.worker.json"
+    worker_argv = ["--trl-worker", "--model-dir", str(model_dir), "--pairs-file", str(pairs_file), "--result",
+                   str(result), "--out", str(out / "trl"), "--steps", str(args.steps), "--warmup", str(args.warmup),
+                   "--pairs", str(args.pairs), "--seq-len", str(args.seq_len), "--lr", str(args.lr), "--beta",
+                   str(args.beta), "--seed", str(args.seed)]  # fmt: skip
+    return run(args.trl_python, __file__, worker_argv, result, out)
 
 
 def trl_worker(args) -> int:

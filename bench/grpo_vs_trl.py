@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -66,9 +65,7 @@ def setup(out: Path) -> tuple[Path, Path, Path]:
 
 def liger_variant(name: str, model_dir: Path, prompts: Path, reward: Path, out: Path, args) -> dict:
     import yaml
-
-    from liger_cli.bench.compare import run_variant, variant_overrides
-    from liger_cli.bench.report import read_metrics, summarize
+    from trl_measure import run_liger  # bench/ is on sys.path (main)
 
     recipe = out / "liger.yaml"
     recipe.write_text(yaml.safe_dump({
@@ -83,33 +80,24 @@ def liger_variant(name: str, model_dir: Path, prompts: Path, reward: Path, out: 
         "output": {"dir": str(out / "liger-run"), "overwrite": True},
         "logging": {"every": 1, "tensorboard": False},
     }, sort_keys=False))  # fmt: skip
-    overrides = variant_overrides(name, args.steps, args.warmup, out)
-    worker = run_variant(recipe, overrides, name, out)
-    if worker["exit_code"] != 0:
-        raise SystemExit(f"liger {name} failed: see {worker['log']}")
-    metrics = out / name / "metrics.jsonl"
-    result = summarize(name, [], metrics, args.warmup, worker["baseline_mb"], worker["wall_s"])
-    _, measured = read_metrics(metrics, args.warmup)
-    return {"step_time_s": result.step_time_s, "peak_mem_mb": result.peak_mem_mb,
+    figures, measured = run_liger(recipe, name, out, args.steps, args.warmup)
+    if "error" in figures:
+        raise SystemExit(f"liger {name} failed: see {figures['log']}")
+    return {"step_time_s": figures["step_time_s"], "peak_mem_mb": figures["peak_mem_mb"],
             "generation_s": sum(m["time/sampling_s"] for m in measured) / len(measured)}  # fmt: skip
 
 
 def trl_variant(model_dir: Path, prompts: Path, reward: Path, out: Path, args) -> dict:
+    from trl_measure import run_trl  # bench/ is on sys.path (main)
+
     result = out / "trl.json"
-    argv = [str(args.trl_python), str(Path(__file__).resolve()), "--trl-worker", str(model_dir), str(prompts),
-            str(reward), str(result), "--steps", str(args.steps), "--warmup", str(args.warmup),
-            "--prompts", str(args.prompts), "--new-tokens", str(args.new_tokens)]  # fmt: skip
-    with (out / "trl.log").open("w") as log:
-        code = subprocess.run(
-            argv,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=REPO,
-            env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
-        ).returncode
-    if code != 0:
-        raise SystemExit(f"TRL failed: see {out / 'trl.log'}")
-    return json.loads(result.read_text())
+    worker_argv = ["--trl-worker", str(model_dir), str(prompts), str(reward), str(result), "--steps",
+                   str(args.steps), "--warmup", str(args.warmup), "--prompts", str(args.prompts),
+                   "--new-tokens", str(args.new_tokens)]  # fmt: skip
+    found = run_trl(args.trl_python, __file__, worker_argv, result, out)
+    if "error" in found:
+        raise SystemExit(f"TRL failed: see {found['log']}")
+    return found
 
 
 def trl_worker(model_dir: str, prompts: str, reward: str, result: str, args) -> int:

@@ -1,16 +1,24 @@
-"""TRL's side of a *_vs_trl.py bench, measured as `liger bench`'s worker measures liger's.
+"""What every *_vs_trl.py bench does the same way: each side in a fresh process, measured alike.
 
-Run inside the TRL process (under .venv-trl): `start()` first (it gives the process `liger train`'s CPU
-allocator setting, imports what a TRL run imports and returns the RSS baseline), a `step_clock()`
+In the parent: `chosen_variants()` reads --variants and checks the TRL interpreter is there when
+needed; `run_liger()` runs a liger variant as `liger bench` does (its own worker process) and reads its
+figures back; `run_trl()` runs the script's own TRL worker under TRL's interpreter and reads what it
+wrote. Inside the TRL process (under .venv-trl): `start()` first (it gives the process `liger train`'s
+CPU allocator setting, imports what a TRL run imports and returns the RSS baseline), a `step_clock()`
 callback on the trainer, then `summary()` of the steps after the warm-up: the mean step time (each
-from the end of the step before to the end of its optimizer step) and the peak RSS growth. In the
-parent, `chosen_variants()` reads --variants and checks the TRL interpreter is there when needed.
+from the end of the step before to the end of its optimizer step) and the peak RSS growth.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import resource
+import subprocess
 import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def chosen_variants(parser, args, known: tuple[str, ...]) -> list[str]:
@@ -23,6 +31,51 @@ def chosen_variants(parser, args, known: tuple[str, ...]) -> list[str]:
             f"{args.trl_python} not found: set up TRL's venv (see this script's docstring) or leave out trl"
         )
     return variants
+
+
+def run_liger(recipe: Path, name: str, out: Path, steps: int, warmup: int) -> tuple[dict, list[dict]]:
+    """RECIPE as `liger bench` runs its variant NAME ("kernels_on", "kernels_off"), in its own worker
+    process, WARMUP steps then STEPS measured, output in OUT/NAME. Returns the figures (step time, each
+    step's, peak memory over the worker's baseline, first-step loss, tokens a step, wall time, log) and
+    the measured steps' metrics rows; the figures are {"error", "log"} where the worker failed."""
+    from liger_cli.bench.compare import run_variant, variant_overrides
+    from liger_cli.bench.report import read_metrics, summarize
+
+    worker = run_variant(recipe, variant_overrides(name, steps, warmup, out), name, out)
+    if worker["exit_code"] != 0:
+        return {"error": f"exit {worker['exit_code']}", "log": worker["log"]}, []
+    metrics = out / name / "metrics.jsonl"
+    result = summarize(name, [], metrics, warmup, worker["baseline_mb"], worker["wall_s"])
+    _, measured = read_metrics(metrics, warmup)
+    figures = {
+        "step_time_s": result.step_time_s,
+        "step_times_s": [r["step_time_s"] for r in measured],
+        "peak_mem_mb": result.peak_mem_mb,
+        "baseline_mb": worker["baseline_mb"],
+        "first_step_loss": result.first_step_loss,
+        "tokens_per_step": result.tokens_per_s * result.step_time_s,
+        "measured_steps": result.measured_steps,
+        "wall_s": worker["wall_s"],
+        "log": worker["log"],
+    }
+    return figures, measured
+
+
+def run_trl(trl_python: Path, script: str, worker_argv: list[str], result: Path, out: Path) -> dict:
+    """`TRL_PYTHON SCRIPT WORKER_ARGV` (the script's own TRL worker, which writes its figures to RESULT)
+    in a fresh process on the CPU, its output in OUT/trl.log. Returns what it wrote, with the wall time
+    and the log; {"error", "log"} where it failed."""
+    log = out / "trl.log"
+    result.unlink(missing_ok=True)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRL_EXPERIMENTAL_SILENCE": "1"}
+    start = time.perf_counter()
+    with log.open("w") as f:
+        argv = [str(trl_python), str(Path(script).resolve()), *worker_argv]
+        code = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, env=env).returncode
+    wall = time.perf_counter() - start
+    if code != 0 or not result.is_file():
+        return {"error": f"exit {code}", "log": str(log)}
+    return {**json.loads(result.read_text()), "wall_s": wall, "log": str(log)}
 
 
 def start() -> float:

@@ -36,7 +36,6 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -120,35 +119,24 @@ def liger_recipe(path: Path, model_dir: Path, rows: Path, args) -> Path:
 
 
 def run_liger(variant: str, recipe: Path, out: Path, args) -> dict:
-    from liger_cli.bench.compare import run_variant, variant_overrides
-    from liger_cli.bench.report import read_metrics, summarize
+    from trl_measure import run_liger as run  # bench/ is on sys.path (main)
 
     name = "kernels_on" if variant == "liger_on" else "kernels_off"
-    worker = run_variant(recipe, variant_overrides(name, args.steps, args.warmup, out), name, out)
-    if worker["exit_code"] != 0:
-        return {"error": f"exit {worker['exit_code']}", "log": worker["log"]}
-    metrics = out / name / "metrics.jsonl"
-    result = summarize(name, [], metrics, args.warmup, worker["baseline_mb"], worker["wall_s"])
-    _, measured = read_metrics(metrics, args.warmup)
-    return {"step_time_s": result.step_time_s, "step_times_s": [r["step_time_s"] for r in measured],
-            "peak_mem_mb": result.peak_mem_mb, "first_step_loss": result.first_step_loss,
-            "log": worker["log"]}  # fmt: skip
+    figures = run(recipe, name, out, args.steps, args.warmup)[0]
+    keep = ("step_time_s", "step_times_s", "peak_mem_mb", "first_step_loss", "error", "log")
+    return {key: value for key, value in figures.items() if key in keep}
 
 
 # ---------------------------------------------------------------- TRL: a fresh process in .venv-trl
 
 
 def run_trl(model_dir: Path, rows: Path, out: Path, args) -> dict:
-    result, log = out / "trl.worker.json", out / "trl.log"
-    result.unlink(missing_ok=True)
-    argv = [str(args.trl_python), str(Path(__file__).resolve()), "--trl-worker", str(model_dir), str(rows),
-            str(result), "--steps", str(args.steps), "--warmup", str(args.warmup), "--rows", str(args.rows),
-            "--out", str(out / "trl")]  # fmt: skip
-    with log.open("w") as f:
-        code = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, cwd=REPO).returncode
-    if code != 0 or not result.is_file():
-        return {"error": f"exit {code}", "log": str(log)}
-    return {**json.loads(result.read_text()), "log": str(log)}
+    from trl_measure import run_trl as run  # bench/ is on sys.path (main)
+
+    result = out / "trl.worker.json"
+    worker_argv = ["--trl-worker", str(model_dir), str(rows), str(result), "--steps", str(args.steps), "--warmup",
+                   str(args.warmup), "--rows", str(args.rows), "--out", str(out / "trl")]  # fmt: skip
+    return run(args.trl_python, __file__, worker_argv, result, out)
 
 
 def trl_worker(model_dir: str, rows_file: str, result: str, args) -> int:
