@@ -7,6 +7,7 @@ TRL lives in its own venv, never the project's (see bench/dpo_vs_trl.py for why)
         .venv-trl/bin/pip install -c constraints.txt -e . trl==1.16.0
 
     .venv/bin/python bench/grpo_vs_trl.py                     # 4 prompts x 8 completions x 64 tokens, 1 + 3 steps
+    .venv/bin/python bench/grpo_vs_trl.py --loss gspo         # the same with GSPO on both sides (or cispo)
 
 The same on every side: the weights (`recipes/bench/llama-8x512.json`: 8 layers, hidden 512, vocab
 32000; random init, seed 0, saved once to a folder every run loads), the quickstart tokenizer, the
@@ -14,7 +15,10 @@ prompts (the quickstart's instruction prompts, as text), a reward with spread (t
 length in characters / 100: a random model never answers exactly, and a constant reward would train
 nothing), LoRA r=16 alpha 32 on all linear layers, G = 8 completions of at most --new-tokens tokens
 at temperature 1 with a KV cache (TRL is told `use_cache`: the model's config turns it off for
-training, and TRL's generate would follow it), loss dapo, beta 0 (no reference), scale_rewards group,
+training, and TRL's generate would follow it), the loss of --loss (`LOSSES`: dapo; GSPO, liger `rl.loss:
+gspo` and TRL `importance_sampling_level="sequence"` with its per-sequence loss, both at GSPO's clip range
+3e-4 / 4e-4; CISPO, liger `rl.loss: cispo` and TRL `loss_type="cispo"`, each weight capped at 5: liger's
+`epsilon_high` is the cap minus 1, TRL's the cap), beta 0 (no reference), scale_rewards group,
 one update per batch of completions, fp32, no gradient checkpointing, AdamW with a constant learning rate, grad-norm clipping
 at 1.0. A step is --prompts prompts x 8 completions (TRL's per_device_train_batch_size counts
 completions: 8 x --prompts).
@@ -39,6 +43,12 @@ REPO = Path(__file__).resolve().parent.parent
 TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 LORA = {"r": 16, "alpha": 32}
 REWARD = "def length_reward(completions, **kwargs):\n    return [len(c) / 100 for c in completions]\n"
+LOSSES = {  # --loss: (liger's rl keys, TRL's GRPOConfig keys) for the same loss
+    "dapo": ({"loss": "dapo"}, {"loss_type": "dapo"}),
+    "gspo": ({"loss": "gspo", "epsilon": 3e-4, "epsilon_high": 4e-4},
+             {"loss_type": "grpo", "importance_sampling_level": "sequence", "epsilon": 3e-4, "epsilon_high": 4e-4}),
+    "cispo": ({"loss": "cispo", "epsilon_high": 4.0}, {"loss_type": "cispo", "epsilon_high": 5.0}),
+}  # fmt: skip
 
 
 def setup(out: Path) -> tuple[Path, Path, Path]:
@@ -74,7 +84,7 @@ def liger_variant(name: str, model_dir: Path, prompts: Path, reward: Path, out: 
         "data": {"train": str(prompts), "format": "prompt", "max_seq_len": 64 + args.new_tokens},
         "training": {"objective": "grpo", "micro_batch_size": args.prompts, "grad_accum": 1, "lr": 1e-5,
                      "scheduler": "constant", "max_grad_norm": 1.0, "precision": "fp32", "seed": 0},
-        "rl": {"num_generations": 8, "max_new_tokens": args.new_tokens, "temperature": 1.0, "loss": "dapo",
+        "rl": {"num_generations": 8, "max_new_tokens": args.new_tokens, "temperature": 1.0, **LOSSES[args.loss][0],
                "beta": 0.0, "rewards": [{"function": f"{reward}:length_reward"}]},
         "distributed": {"activation_checkpointing": "off"},
         "output": {"dir": str(out / "liger-run"), "overwrite": True},
@@ -93,7 +103,7 @@ def trl_variant(model_dir: Path, prompts: Path, reward: Path, out: Path, args) -
     result = out / "trl.json"
     worker_argv = ["--trl-worker", str(model_dir), str(prompts), str(reward), str(result), "--steps",
                    str(args.steps), "--warmup", str(args.warmup), "--prompts", str(args.prompts),
-                   "--new-tokens", str(args.new_tokens)]  # fmt: skip
+                   "--new-tokens", str(args.new_tokens), "--loss", args.loss]  # fmt: skip
     found = run_trl(args.trl_python, __file__, worker_argv, result, out)
     if "error" in found:
         raise SystemExit(f"TRL failed: see {found['log']}")
@@ -131,7 +141,7 @@ def trl_worker(model_dir: str, prompts: str, reward: str, result: str, args) -> 
     config = GRPOConfig(
         output_dir=str(Path(result).parent / "trl-run"), max_steps=args.warmup + args.steps,
         per_device_train_batch_size=8 * args.prompts, num_generations=8, max_completion_length=args.new_tokens,
-        temperature=1.0, loss_type="dapo", beta=0.0, scale_rewards="group", learning_rate=1e-5,
+        temperature=1.0, **LOSSES[args.loss][1], beta=0.0, scale_rewards="group", learning_rate=1e-5,
         lr_scheduler_type="constant", max_grad_norm=1.0, use_cpu=True, bf16=False, fp16=False,
         gradient_checkpointing=False, logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True,
         seed=0, dataloader_num_workers=0,
@@ -160,6 +170,9 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument(
+        "--loss", choices=list(LOSSES), default="dapo", help="the loss, the same on each side"
+    )
     parser.add_argument("--out", type=Path, default=REPO / "bench/results/grpo_vs_trl")
     args = parser.parse_args()
     if args.trl_worker:
@@ -169,9 +182,9 @@ def main() -> int:
     found = {"TRL GRPOTrainer": trl_variant(model_dir, prompts, reward, args.out, args)}
     found["liger, kernels on"] = liger_variant("kernels_on", model_dir, prompts, reward, args.out, args)
     found["liger, kernels off"] = liger_variant("kernels_off", model_dir, prompts, reward, args.out, args)
-    (args.out / "grpo_vs_trl.json").write_text(json.dumps(found, indent=2))
+    (args.out / f"grpo_vs_trl-{args.loss}.json").write_text(json.dumps(found, indent=2))
     trl = found["TRL GRPOTrainer"]
-    print(f"\n{args.prompts} prompts x 8 completions x {args.new_tokens} new tokens; {args.warmup} warm-up + "
+    print(f"\nloss {args.loss}; {args.prompts} prompts x 8 completions x {args.new_tokens} new tokens; {args.warmup} warm-up + "
           f"{args.steps} measured steps; load average {os.getloadavg()[0]:.1f}\n")  # fmt: skip
     print("| | step time (s) | of which generation (s) | peak memory | time / TRL | memory / TRL |")
     print("|---|---|---|---|---|---|")

@@ -11,6 +11,10 @@ measured here, and the result is written in docs/rl.md.
 recipes/agent.yaml's claim (agentic RL: docs/agents.md) is measured the same way:
 
     python scripts/check_grpo_recipe.py --recipe recipes/agent.yaml --evals 5
+
+and the GRPO recipe with another loss (any recipe key, as `liger train --set` takes it):
+
+    python scripts/check_grpo_recipe.py --set rl.loss=gspo --set rl.epsilon=3.0e-4 --set rl.epsilon_high=4.0e-4
 """
 
 from __future__ import annotations
@@ -37,11 +41,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--gain", type=float, default=RAISE, help="how far the last eval must be above the first"
     )
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="a recipe key for this run, as `liger train --set` takes it (repeatable)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="liger-grpo-claim-") as tmp:
         out = (args.out or Path(tmp) / "grpo").resolve()
         argv = [sys.executable, "-m", "liger_cli", "train", str(args.recipe.resolve()),
                 "--set", f"output.dir={out}"]  # fmt: skip
+        argv += [arg for override in args.overrides for arg in ("--set", override)]
         start = time.perf_counter()
         proc = subprocess.run(argv, capture_output=True, text=True)
         wall = time.perf_counter() - start
@@ -53,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     evals = [(m["step"], m["eval_reward"]) for m in rows if "eval_reward" in m]
     print("eval_reward by step: " + ", ".join(f"{step}: {value:.2f}" for step, value in evals))
     ok = len(evals) == args.evals and evals[-1][1] >= evals[0][1] + args.gain
-    print(f"{args.recipe.name}: {'passed' if ok else 'FAILED'}: {evals[0][1]:.2f} -> {evals[-1][1]:.2f} "
+    print(f"{args.recipe.name}{''.join(' ' + o for o in args.overrides)}: {'passed' if ok else 'FAILED'}: "
+          f"{evals[0][1]:.2f} -> {evals[-1][1]:.2f} "
           f"(needs +{args.gain}), {len(evals)} evals, {wall:.0f} s")  # fmt: skip
     return 0 if ok else 1
 
