@@ -3,11 +3,14 @@
 Each kernel runs Triton on CUDA tensors and PyTorch elsewhere; `LIGER_KERNEL_BACKEND=triton|torch`
 forces one. `patch_model` puts them into one Hugging Face model instance. `fused_linear_logprob` and
 `preference_loss` are the kernel half of preference training (DPO/IPO/SimPO/ORPO);
-`fused_linear_token_logprob` (the same kernel, per token) and `grpo_loss` that of online RL.
+`fused_linear_token_logprob` (the same kernel, per token) and `grpo_loss` that of online RL;
+`fused_linear_divergence` (reverse KL or TRL GKD's generalized JSD between a student's and a frozen
+teacher's next-token distributions, from both models' hidden states and heads) that of distillation.
 """
 
 from .cross_entropy import cross_entropy
 from .fused_linear_cross_entropy import fused_linear_cross_entropy
+from .fused_linear_distill import fused_linear_divergence
 from .fused_linear_logprob import fused_linear_logprob, fused_linear_token_logprob
 from .patch import PatchReport, patch_model
 from .patch_loss import sequence_logprobs_loss, token_logprobs_loss
@@ -22,6 +25,7 @@ __all__ = [
     "check_preference_options",
     "cross_entropy",
     "fused_linear_cross_entropy",
+    "fused_linear_divergence",
     "fused_linear_logprob",
     "fused_linear_token_logprob",
     "patch_model",
