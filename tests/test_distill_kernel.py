@@ -262,7 +262,7 @@ def test_no_host_synchronisation_in_the_loops(torch_backend, monkeypatch):
 def test_autocast_runs_the_matmuls_in_the_autocast_dtype(torch_backend):
     student, teacher = inputs()
     targets = labels()
-    with MatmulLog() as log, torch.autocast("cpu", dtype=torch.bfloat16):
+    with MatmulLog() as log, torch.autocast(DEVICE, dtype=torch.bfloat16):
         got, _ = run(student, teacher, targets, "reverse_kl", 0.5, vocab_block=BLOCK)
     assert log.matmuls and {dtype for *_, dtype in log.matmuls} == {torch.bfloat16}
     assert got.dtype == torch.float32
