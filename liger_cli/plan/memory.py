@@ -78,6 +78,8 @@ class Settings:
     with full fine-tuning and beta > 0: "copy" (the starting weights as each rank stores them)."""
     kv_cache_bytes: int = 0
     """GRPO: the KV cache of sampling one micro-batch's completions (freed before its forward)."""
+    score_head: bool = False
+    """A reward model: one score per token from its score head, no vocabulary logits (no loss kernel)."""
 
 
 @dataclass(frozen=True)
@@ -219,7 +221,10 @@ def estimate(facts: Facts, s: Settings) -> tuple[dict[str, int], dict[str, str]]
     else:
         acts = facts.activations.checkpointed() if s.checkpointing else facts.activations.total
         parts["activations"] = int(acts * rows / facts.batch)
-    parts["loss"], notes["loss"] = _loss(facts, rows * facts.seq_len, s.fused_loss)
+    if s.score_head:  # the head's [rows, tokens, 1] output is in the activations; the loss is per pair
+        parts["loss"], notes["loss"] = rows * 4 * 3, "score head: one score per sequence, no vocabulary logits"
+    else:
+        parts["loss"], notes["loss"] = _loss(facts, rows * facts.seq_len, s.fused_loss)
     if s.kv_cache_bytes:  # sampling precedes the step and is freed before it: counted as an upper bound
         parts["kv cache"] = s.kv_cache_bytes
         notes["kv cache"] = (
@@ -266,6 +271,7 @@ def settings_of(recipe: Recipe, plan: Plan) -> Settings:
         rows_per_example=rows_per_example(recipe),
         reference=reference(recipe),
         kv_cache_bytes=kv_cache_bytes(recipe),
+        score_head=recipe.training.objective == "reward",
     )
 
 
@@ -291,7 +297,7 @@ def suggest(facts: Facts, s: Settings, device_memory: int) -> list[Suggestion]:
     candidates: list[tuple[tuple[str, ...], Settings]] = []
     if not s.checkpointing:
         candidates.append((("distributed.activation_checkpointing=auto",), replace(s, checkpointing=True)))
-    if not s.fused_loss:
+    if not s.fused_loss and not s.score_head:
         candidates.append((("kernels.fused_linear_cross_entropy=true",), replace(s, fused_loss=True)))
     halvings = [s.micro_batch >> k for k in range(1, s.micro_batch.bit_length())]
     if halvings:  # the same tokens per optimizer step
