@@ -331,9 +331,12 @@ def generate_(
 
 @command("objectives.md", "score")
 def score_(
-    run: Annotated[Path, typer.Argument(help="A reward model's run folder (training.objective reward) or its final/.")],
+    run: Annotated[
+        Path, typer.Argument(help="A reward model's run folder (training.objective reward) or its final/.")
+    ],
     prompts: Annotated[
-        Path, typer.Option(help='A JSONL file of {"prompt": ..., "completion": ...} or {"messages": [...]} rows.')
+        Path,
+        typer.Option(help='A JSONL file of {"prompt": ..., "completion": ...} or {"messages": [...]} rows.'),
     ],
     out: Annotated[Path, typer.Option(help='Where to write the rows with "score" added (JSONL).')],
     batch_size: Annotated[int, typer.Option(help="Sequences scored together.")] = 16,

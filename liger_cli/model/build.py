@@ -53,7 +53,11 @@ def model_class(config):
     `AutoModelForImageTextToText` for a vision-language model (told from the config by transformers' own
     mappings: `vision.is_vision_language`), `AutoModelForCausalLM` otherwise. Every place that builds or
     loads the recipe's model asks here."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSequenceClassification
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoModelForSequenceClassification,
+    )
 
     from liger_cli.model.vision import is_vision_language
 
@@ -64,7 +68,10 @@ def model_class(config):
 
 def is_reward_config(config) -> bool:
     """Whether the config names a sequence-classification class (a reward model's: one score)."""
-    return any(str(name).endswith("ForSequenceClassification") for name in getattr(config, "architectures", None) or ())
+    return any(
+        str(name).endswith("ForSequenceClassification")
+        for name in getattr(config, "architectures", None) or ()
+    )
 
 
 def reward_config(config, pad_token_id: int | None = None):
@@ -150,7 +157,9 @@ def load_base_model(recipe: Recipe) -> nn.Module:
         )
     config = recipe_config(recipe)
     if m.path is not None:
-        if is_reward_config(config):  # the score head is new: initialised from the seed, the same on every rank
+        if is_reward_config(
+            config
+        ):  # the score head is new: initialised from the seed, the same on every rank
             torch.manual_seed(recipe.training.seed)
             kwargs["config"] = config
         model = model_class(config).from_pretrained(m.path, **kwargs, **m.load_kwargs)

@@ -32,9 +32,13 @@ def check_reward_run(path: Path, what: str) -> Path:
             "training.objective: reward"
         )
     try:
-        objective = (yaml.safe_load((run / RECIPE_FILE).read_text()) or {}).get("training", {}).get("objective")
+        objective = (
+            (yaml.safe_load((run / RECIPE_FILE).read_text()) or {}).get("training", {}).get("objective")
+        )
     except (yaml.YAMLError, AttributeError) as err:
-        raise UserError(f"{what} {run / RECIPE_FILE} is not a liger run's recipe: {str(err).splitlines()[0]}") from None
+        raise UserError(
+            f"{what} {run / RECIPE_FILE} is not a liger run's recipe: {str(err).splitlines()[0]}"
+        ) from None
     if objective != "reward":
         raise UserError(
             f"{what} {run}: a {objective or 'sft'} run, not a reward model; give the output.dir of a run with "
@@ -42,7 +46,9 @@ def check_reward_run(path: Path, what: str) -> Path:
         )
     final = run / "final"
     if not any((final / name).is_file() for name in ("adapter_config.json", "config.json")):
-        raise UserError(f"{what} {run}: no final model in {final} (the run has not finished): finish it first")
+        raise UserError(
+            f"{what} {run}: no final model in {final} (the run has not finished): finish it first"
+        )
     return final
 
 
@@ -62,7 +68,9 @@ class RewardModel:
                 yaml.safe_load((run / RECIPE_FILE).read_text()), context={"base_dir": run}
             )
         except ValidationError as err:
-            raise UserError(f"{run / RECIPE_FILE} is not a liger run's recipe: {str(err).splitlines()[0]}") from None
+            raise UserError(
+                f"{run / RECIPE_FILE} is not a liger run's recipe: {str(err).splitlines()[0]}"
+            ) from None
         self.recipe = recipe.model_copy(update={"distributed": DistributedSection()})  # one process loads it
         self.tokenizer = load_tokenizer(self.recipe)
         self.model = _load(self.recipe, final).to(device or "cpu").eval()
@@ -87,7 +95,9 @@ class RewardModel:
             row = {"prompt": prompt, "chosen": answer, "rejected": answer}
         problem = row_check("preference")(row)
         if problem:
-            raise ValueError(problem.replace('"chosen"', '"messages"' if completion is None else '"completion"'))
+            raise ValueError(
+                problem.replace('"chosen"', '"messages"' if completion is None else '"completion"')
+            )
         pair, _ = truncate_pair(encode_pair(row, self.tokenizer), self.max_len, self.tokenizer.bos_token_id)
         return pair.chosen.input_ids
 

@@ -135,7 +135,9 @@ def build_plan(recipe: Recipe, model: nn.Module | None = None, env: Mapping[str,
     notes: list[str] = []
     config = _read_config(recipe)
     if t.objective == "reward":  # no vocabulary head: the loss kernels have nothing to replace
-        why = "a reward model's score head has no cross-entropy (one score per sequence, no vocabulary logits)"
+        why = (
+            "a reward model's score head has no cross-entropy (one score per sequence, no vocabulary logits)"
+        )
         kernels_off = {k: why for k in ("cross_entropy", "fused_linear_cross_entropy") if kernels.get(k)}
         kernels = {k: on and k not in kernels_off for k, on in kernels.items()}
     quantize = _quantize(recipe)

@@ -222,7 +222,10 @@ def estimate(facts: Facts, s: Settings) -> tuple[dict[str, int], dict[str, str]]
         acts = facts.activations.checkpointed() if s.checkpointing else facts.activations.total
         parts["activations"] = int(acts * rows / facts.batch)
     if s.score_head:  # the head's [rows, tokens, 1] output is in the activations; the loss is per pair
-        parts["loss"], notes["loss"] = rows * 4 * 3, "score head: one score per sequence, no vocabulary logits"
+        parts["loss"], notes["loss"] = (
+            rows * 4 * 3,
+            "score head: one score per sequence, no vocabulary logits",
+        )
     else:
         parts["loss"], notes["loss"] = _loss(facts, rows * facts.seq_len, s.fused_loss)
     if s.kv_cache_bytes:  # sampling precedes the step and is freed before it: counted as an upper bound

@@ -31,7 +31,9 @@ def read_rows(path: Path) -> list[dict]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as err:
-            raise UserError(f"{path} line {line_number}: not JSON ({err.msg}); write one JSON object per line") from None
+            raise UserError(
+                f"{path} line {line_number}: not JSON ({err.msg}); write one JSON object per line"
+            ) from None
         whole = isinstance(row, dict) and "messages" in row and "prompt" not in row
         pair = isinstance(row, dict) and "prompt" in row and isinstance(row.get("completion"), str)
         if not (whole or pair):
@@ -53,7 +55,11 @@ def score_command(run: Path, prompts: Path, out: Path, batch_size: int = 16, ech
     ids = []
     for line, row in rows:
         try:
-            ids.append(model.encode(row["messages"]) if "messages" in row else model.encode(row["prompt"], row["completion"]))
+            ids.append(
+                model.encode(row["messages"])
+                if "messages" in row
+                else model.encode(row["prompt"], row["completion"])
+            )
         except ValueError as err:
             raise UserError(f"{prompts} line {line}: {err}") from None
     start = time.perf_counter()
