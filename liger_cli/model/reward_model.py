@@ -24,32 +24,12 @@ RECIPE_FILE = "recipe.yaml"
 def check_reward_run(path: Path, what: str) -> Path:
     """The final/ folder of a finished reward-model run, found without loading anything; a one-line
     UserError naming `what` (the option that gave the path) and the fix otherwise."""
-    path = Path(path).expanduser().resolve()
-    run = path.parent if path.name == "final" else path
-    if not (run / RECIPE_FILE).is_file():
-        raise UserError(
-            f"{what} {path}: not a liger run folder (no {RECIPE_FILE}); give the output.dir of a run with "
-            "training.objective: reward"
-        )
+    from liger_cli.recipe.rl_section import reward_run_final
+
     try:
-        objective = (
-            (yaml.safe_load((run / RECIPE_FILE).read_text()) or {}).get("training", {}).get("objective")
-        )
-    except (yaml.YAMLError, AttributeError) as err:
-        raise UserError(
-            f"{what} {run / RECIPE_FILE} is not a liger run's recipe: {str(err).splitlines()[0]}"
-        ) from None
-    if objective != "reward":
-        raise UserError(
-            f"{what} {run}: a {objective or 'sft'} run, not a reward model; give the output.dir of a run with "
-            "training.objective: reward"
-        )
-    final = run / "final"
-    if not any((final / name).is_file() for name in ("adapter_config.json", "config.json")):
-        raise UserError(
-            f"{what} {run}: no final model in {final} (the run has not finished): finish it first"
-        )
-    return final
+        return reward_run_final(path, what)
+    except ValueError as err:
+        raise UserError(str(err)) from None
 
 
 class RewardModel:

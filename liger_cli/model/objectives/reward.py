@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from liger_cli.data.encode import collate
+from liger_cli.data.preference import FIELDS_COLUMN as FIELDS
 from liger_cli.errors import UserError
 
 MARGIN = "margin"
@@ -87,7 +88,9 @@ class Reward:
             self._margin(dataset[k], f"{split} pair {k + 1}")
 
     def _margin(self, example: dict, where: str = "a pair") -> float:
-        value = json.loads(example.get("fields") or "{}").get(self.margin_field)
+        if FIELDS not in example:  # a twin check's pairs (made, not read): no data, no margin
+            return 0.0
+        value = json.loads(example[FIELDS] or "{}").get(self.margin_field)
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
             raise UserError(
                 f"reward.margin_field {self.margin_field}: {where} has {value!r} there, not a finite number; "
