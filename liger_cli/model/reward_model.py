@@ -66,18 +66,21 @@ class RewardModel:
         from liger_cli.data.files import row_check
         from liger_cli.data.preference import encode_pair, truncate_pair
 
-        if completion is None:
-            row = {"chosen": prompt, "rejected": prompt}
-        elif isinstance(prompt, str):
-            row = {"prompt": prompt, "chosen": completion, "rejected": completion}
-        else:
-            answer = [{"role": "assistant", "content": completion}]
-            row = {"prompt": prompt, "chosen": answer, "rejected": answer}
-        problem = row_check("preference")(row)
+        def row_of(answer):
+            if completion is None:
+                return {"chosen": prompt, "rejected": prompt}
+            if isinstance(prompt, str):
+                return {"prompt": prompt, "chosen": answer, "rejected": answer}
+            turn = [{"role": "assistant", "content": answer}]
+            return {"prompt": prompt, "chosen": turn, "rejected": turn}
+
+        # an empty completion (a model that stopped at once) is scored too: the row check sees a stand-in
+        problem = row_check("preference")(row_of(completion or "."))
         if problem:
             raise ValueError(
                 problem.replace('"chosen"', '"messages"' if completion is None else '"completion"')
             )
+        row = row_of(completion)
         pair, _ = truncate_pair(encode_pair(row, self.tokenizer), self.max_len, self.tokenizer.bos_token_id)
         return pair.chosen.input_ids
 

@@ -78,8 +78,7 @@ class Settings:
     with full fine-tuning and beta > 0: "copy" (the starting weights as each rank stores them)."""
     kv_cache_bytes: int = 0
     """GRPO: the KV cache of sampling one micro-batch's completions (freed before its forward)."""
-    score_head: bool = False
-    """A reward model: one score per token from its score head, no vocabulary logits (no loss kernel)."""
+    score_head: bool = False  # a reward model: a score head, no vocabulary logits (no loss kernel)
 
 
 @dataclass(frozen=True)
@@ -221,13 +220,7 @@ def estimate(facts: Facts, s: Settings) -> tuple[dict[str, int], dict[str, str]]
     else:
         acts = facts.activations.checkpointed() if s.checkpointing else facts.activations.total
         parts["activations"] = int(acts * rows / facts.batch)
-    if s.score_head:  # the head's [rows, tokens, 1] output is in the activations; the loss is per pair
-        parts["loss"], notes["loss"] = (
-            rows * 4 * 3,
-            "score head: one score per sequence, no vocabulary logits",
-        )
-    else:
-        parts["loss"], notes["loss"] = _loss(facts, rows * facts.seq_len, s.fused_loss)
+    parts["loss"], notes["loss"] = _loss(facts, rows * facts.seq_len, s.fused_loss, s.score_head)
     if s.kv_cache_bytes:  # sampling precedes the step and is freed before it: counted as an upper bound
         parts["kv cache"] = s.kv_cache_bytes
         notes["kv cache"] = (
@@ -238,7 +231,7 @@ def estimate(facts: Facts, s: Settings) -> tuple[dict[str, int], dict[str, str]]
     return parts, notes
 
 
-def _loss(facts: Facts, tokens: int, fused: bool) -> tuple[int, str]:
+def _loss(facts: Facts, tokens: int, fused: bool, score_head: bool = False) -> tuple[int, str]:
     import torch
     from liger_kernels.fused_linear_cross_entropy import (
         CHUNK_BYTES,
@@ -246,6 +239,8 @@ def _loss(facts: Facts, tokens: int, fused: bool) -> tuple[int, str]:
         vocab_block_for,
     )
 
+    if score_head:  # a reward model: fp32 scores, one per token, then one per sequence
+        return tokens * 4, "score head: one score per token, no vocabulary logits"
     if not fused:
         return (
             EAGER_LOSS_COPIES * tokens * facts.vocab * 4,

@@ -22,6 +22,7 @@ from pydantic import (
 from liger_cli.recipe.base import RelPath, _Section
 from liger_cli.recipe.data_section import DataSection
 from liger_cli.recipe.distributed_section import DistributedSection, split_names
+from liger_cli.recipe.reward_section import RewardSection, check_reward
 from liger_cli.recipe.rl_section import RLSection, check_rl
 
 
@@ -175,9 +176,8 @@ class TrainingSection(_Section):
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     """Mixed precision; auto: bf16/fp16 on a GPU, fp32 on a CPU."""
     objective: Literal["sft", "dpo", "simpo", "orpo", "reward", "grpo"] = "sft"
-    """sft: the causal-LM loss on the learned tokens; dpo, simpo, orpo: preference pairs (data.format
-    preference); reward: a reward model (a score head) on the same pairs; grpo: online RL on prompts
-    (data.format prompt) with the rl section's rewards."""
+    """sft: the causal-LM loss on the learned tokens; dpo, simpo, orpo and reward (a score head): preference
+    pairs (data.format preference); grpo: online RL on prompts (data.format prompt) with the rl section's rewards."""
 
     @model_validator(mode="after")
     def _one_length(self) -> TrainingSection:
@@ -220,15 +220,6 @@ class PreferenceSection(_Section):
                     f" with loss_type {self.loss_type}" if objective == "dpo" else ""
                 )
                 raise ValueError(f"preference.{name} does not apply to {where}; remove it")
-
-
-class RewardSection(_Section):
-    """training.objective reward only: the Bradley-Terry loss's options."""
-
-    margin_field: str | None = None
-    """A numeric column of the pairs: the score gap the chosen answer must clear (per pair)."""
-    center_coefficient: float = Field(0.0, ge=0)
-    """Adds this times (r_chosen + r_rejected)^2 per pair: keeps the scores centred on 0."""
 
 
 class KernelsSection(_Section):
@@ -325,10 +316,7 @@ class Recipe(_Section):
         if objective == "sft" and fmt == "preference":
             raise ValueError("data.format preference needs a preference objective: set training.objective to dpo, "
                              "simpo, orpo or reward")  # fmt: skip
-        if self.reward is not None and objective != "reward":
-            raise ValueError("the reward section applies to training.objective reward; remove it")
-        if objective == "reward":
-            self._reward_needs()
+        check_reward(self)
         if objective == "sft" and "preference" in self.model_fields_set:
             raise ValueError(
                 "the preference section applies to training.objective dpo, simpo or orpo; remove it"
@@ -351,24 +339,6 @@ class Recipe(_Section):
                 "set training.max_steps and remove training.epochs"
             )
         return self
-
-    def _reward_needs(self) -> None:
-        """A reward model trains a score head on text pairs; what it cannot do yet is refused."""
-        refused = {
-            "preference": "preference" in self.model_fields_set,
-            "adapter.init": self.adapter.init is not None,
-            "model.quantize": self.model.quantize != "none",
-            "training.eval_samples": bool(self.training.eval_samples),
-        }
-        for key, found in refused.items():
-            if found:
-                why = {
-                    "preference": "its options are dpo, simpo and orpo's; a reward model has the reward section",
-                    "adapter.init": "a causal-LM adapter has no score head; train the reward model's own adapter",
-                    "model.quantize": "a 4-bit reward model is not supported yet",
-                    "training.eval_samples": "a reward model scores, it does not generate; eval logs accuracy",
-                }[key]
-                raise ValueError(f"{key} does not apply to training.objective reward ({why}); remove it")
 
     def _samples_need(self) -> None:
         """Samples complete eval prompts: an eval set whose rows have a prompt before the answer."""
@@ -415,10 +385,9 @@ class Recipe(_Section):
 
     def to_yaml(self) -> str:
         data = self.model_dump(mode="json")
-        if data["rl"] is None:
-            del data["rl"]
-        if data["reward"] is None:
-            del data["reward"]
+        for section in ("rl", "reward"):  # optional sections, left out when not given
+            if data[section] is None:
+                del data[section]
         if self.training.objective in ("sft", "grpo", "reward"):
             del data["preference"]  # sft recipes read as they always did
         else:  # the options the objective honours, resolved; the others would be refused on reload
