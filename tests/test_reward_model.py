@@ -75,7 +75,11 @@ def rm(tiny_model_dir, tmp_path_factory) -> dict:
         "score", str(out), "--prompts", str(scored_in), "--out", str(root / "scored.jsonl")
     )
     found["grpo_out"] = root / "grpo"
-    found["grpo"] = liger_here("train", str(grpo_rm_recipe(root, tiny_model_dir, out, found["grpo_out"])))
+    rewards = f"[{{function: liger_cli.rewards:exact_match}}, {{model: {out}, weight: 1.0}}]"
+    found["grpo"] = liger_here("train", str(RECIPES / "grpo-rm.yaml"), "--set", f"rl.rewards={rewards}",
+                               "--set", f"output.dir={found['grpo_out']}", "--set", "training.max_steps=2",
+                               "--set", "training.micro_batch_size=2", "--set", "rl.num_generations=4",
+                               "--set", "data.eval=null", "--set", "logging.every=1")  # fmt: skip
     return found
 
 
@@ -233,7 +237,8 @@ def test_liger_score_refuses_bad_input_in_one_line_and_writes_nothing(rm, tmp_pa
 
 
 def test_grpo_with_a_reward_model_logs_its_score_and_scores_as_transformers_does(rm, tiny_model_dir):
-    """2 GRPO steps rewarded by exact_match and the reward run: the RM's reward is logged on its own, and
+    """recipes/grpo-rm.yaml for 2 steps (2 prompts x 4 completions), its reward model the fixture's: the RM's
+    reward is logged on its own, and
     each rollout's RM value is AutoModelForSequenceClassification's score (the adapter loaded by peft) of
     its prompt + completion rendered as the reward model trained."""
     from peft import PeftModel
