@@ -329,6 +329,24 @@ def generate_(
     raise typer.Exit(generate_command(run_or_model, prompts, out, adapter, options, echo=typer.echo))
 
 
+@command("objectives.md", "score")
+def score_(
+    run: Annotated[
+        Path, typer.Argument(help="A reward model's run folder (training.objective reward) or its final/.")
+    ],
+    prompts: Annotated[
+        Path,
+        typer.Option(help='A JSONL file of {"prompt": ..., "completion": ...} or {"messages": [...]} rows.'),
+    ],
+    out: Annotated[Path, typer.Option(help='Where to write the rows with "score" added (JSONL).')],
+    batch_size: Annotated[int, typer.Option(help="Sequences scored together.")] = 16,
+) -> None:
+    """Score each row of a file with a trained reward model, rendered exactly as the run trained it."""
+    from liger_cli.serve.score import score_command
+
+    raise typer.Exit(score_command(run, prompts, out, batch_size, echo=typer.echo))
+
+
 @command("generation.md")
 def chat(
     run_or_model: RunOrModel,

@@ -73,12 +73,13 @@ def merge_adapter(run_dir: Path, out_dir: Path, overwrite: bool = False) -> Merg
     from peft import PeftModel
     from transformers import AutoTokenizer
 
-    from liger_cli.model import model_class, read_config
+    from liger_cli.model import model_class
 
     # Always the full-precision base as it is on disk (a QLoRA run's too: never its 4-bit weights),
     # built by its auto class (a vision-language model's too).
-    auto = model_class(read_config(Path(base)))
-    adapted = PeftModel.from_pretrained(auto.from_pretrained(base, dtype="auto"), adapter_dir)
+    config = base_config(Path(base), adapter_dir)
+    auto = model_class(config)
+    adapted = PeftModel.from_pretrained(auto.from_pretrained(base, config=config, dtype="auto"), adapter_dir)
     probes, no_image_probe = merge_probes(adapted)
     expected = [verify.logits_of(adapted, p) for p in probes]
     probe = probes[0]  # token ids: the 4-bit comparison's
@@ -113,6 +114,21 @@ def merge_adapter(run_dir: Path, out_dir: Path, overwrite: bool = False) -> Merg
         return MergeResult(diff, images=len(probes) > 1, no_image_probe=no_image_probe)
     on_4bit_diff = verify.logit_difference(on_4bit, verify.logits_of(merged, probe))[0]
     return MergeResult(diff, on_4bit_diff, quantized, len(probes) > 1, no_image_probe)
+
+
+def base_config(base: Path, adapter_dir: Path):
+    """The base's config as the run built it: a reward model's adapter (peft's SEQ_CLS task) goes on the
+    family's sequence-classification class, padded as the run's tokenizer pads (`model.reward_config`)."""
+    from transformers import AutoTokenizer
+
+    from liger_cli.model import read_config, reward_config
+
+    config = read_config(base)
+    if json.loads((adapter_dir / "adapter_config.json").read_text()).get("task_type") != "SEQ_CLS":
+        return config
+    tokenizer = AutoTokenizer.from_pretrained(adapter_dir)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return reward_config(config, pad)
 
 
 def merge_probes(adapted) -> tuple[list[dict[str, torch.Tensor]], str | None]:

@@ -60,6 +60,7 @@ def test_string_pairs_learn_only_the_answer_and_share_the_prompt(tmp_path):
         "chosen_labels",
         "rejected_input_ids",
         "rejected_labels",
+        "fields",  # the row's other fields as JSON (a reward model's margin_field)
     ]
 
 

@@ -39,7 +39,7 @@ from liger_cli.data.encode import (
 from liger_cli.data.files import FORMAT_FIELDS, ROW_COLUMN, where
 from liger_cli.data.images import IMAGE_COLUMNS, IMAGE_FILES, IMAGE_STARTS, IMAGES_COLUMN
 from liger_cli.data.mix import fraction_orders, mixture
-from liger_cli.data.preference import PAIR_COLUMNS
+from liger_cli.data.preference import FIELDS_COLUMN, PAIR_COLUMNS
 from liger_cli.data.processes import encode_table, tokenizing_processes
 from liger_cli.data.sources import Source, read_rows, sources_of
 from liger_cli.data.split import DROP_COLUMN, WARNINGS_COLUMN, DataWarning, Split, split_of
@@ -250,7 +250,7 @@ def _finish(split: Split, data_cfg: DataConfig) -> None:
     kept = [c for c in ("input_ids", "labels", "position_ids", IMAGES_COLUMN, IMAGE_STARTS) if c in names]
     if "prompt_ids" in names:  # prompts (online RL), with the file row for the sampling keys
         kept = ["prompt_ids", "prompt", "fields", "row"]
-    split.dataset = split.examples.select_columns(kept or list(PAIR_COLUMNS))
+    split.dataset = split.examples.select_columns(kept or [*PAIR_COLUMNS, FIELDS_COLUMN])
     max_len = data_cfg.max_seq_len
     if data_cfg.packing:
         split.dataset = pack_table(split.dataset, max_len, chunk=PACK_CHUNK)

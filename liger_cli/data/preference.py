@@ -27,6 +27,8 @@ from liger_cli.errors import UserError
 
 SIDES = ("chosen", "rejected")
 PAIR_COLUMNS = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
+FIELDS_COLUMN = "fields"
+"""A pair's other fields (a JSON object), e.g. a reward model's margin (`reward.margin_field`)."""
 
 
 # --- encoding one pair ----------------------------------------------------------------------------------
@@ -132,7 +134,8 @@ def encode_pairs(rows, path: Path, data_cfg, tokenizer):
     learn_reasoning = getattr(data_cfg, "learn_reasoning", True)
 
     def encode_batch(batch: dict[str, list]) -> dict[str, list]:
-        names = (*PAIR_COLUMNS, "row", "prompt_length", "chosen_length", "rejected_length", "length")
+        names = (*PAIR_COLUMNS, "row", "prompt_length", "chosen_length", "rejected_length", "length",
+                 FIELDS_COLUMN)  # fmt: skip
         out: dict[str, list] = {name: [] for name in (*names, DROP_COLUMN, WARNINGS_COLUMN)}
         rows = [{k: v[j] for k, v in batch.items()} for j in range(len(batch[ROW_COLUMN]))]
         for row, pair in zip(rows, encode_pairs_of(rows, tokenizer, learn_reasoning), strict=True):
@@ -153,6 +156,8 @@ def encode_pairs(rows, path: Path, data_cfg, tokenizer):
                 out[f"{side}_input_ids"].append([] if drop else enc.input_ids)
                 out[f"{side}_labels"].append([] if drop else enc.labels)
             out["row"].append(index)
+            others = {k: v for k, v in row.items() if k not in (*SIDES, "prompt", ROW_COLUMN)}
+            out[FIELDS_COLUMN].append(json.dumps(others, ensure_ascii=False, default=str))
             out["prompt_length"].append(prompt_length(pair.chosen))
             out["chosen_length"].append(len(answers[0]))
             out["rejected_length"].append(len(answers[1]))

@@ -13,6 +13,7 @@ from liger_cli.model.build import (
     build_meta_model_for,
     build_model,
     count_parameters,
+    is_reward_config,
     load_base_model,
     meta_model_from_config,
     meta_twin,
@@ -20,6 +21,8 @@ from liger_cli.model.build import (
     model_dtype,
     patch_kernels,
     read_config,
+    recipe_config,
+    reward_config,
     twin_adapter,
 )
 
@@ -29,6 +32,7 @@ __all__ = [
     "build_meta_model_for",
     "build_model",
     "count_parameters",
+    "is_reward_config",
     "load_base_model",
     "meta_model_from_config",
     "meta_twin",
@@ -36,5 +40,7 @@ __all__ = [
     "model_dtype",
     "patch_kernels",
     "read_config",
+    "recipe_config",
+    "reward_config",
     "twin_adapter",
 ]

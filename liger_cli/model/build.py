@@ -48,14 +48,70 @@ def read_config(source: Path, trust_remote_code: bool = False):
 
 
 def model_class(config):
-    """The auto class a config builds: `AutoModelForImageTextToText` for a vision-language model (told from
-    the config by transformers' own mappings: `vision.is_vision_language`), `AutoModelForCausalLM`
-    otherwise. Every place that builds or loads the recipe's model asks here."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    """The auto class a config builds: `AutoModelForSequenceClassification` for a reward model (a config
+    that names a sequence-classification class: `reward_config`, or a saved reward model's),
+    `AutoModelForImageTextToText` for a vision-language model (told from the config by transformers' own
+    mappings: `vision.is_vision_language`), `AutoModelForCausalLM` otherwise. Every place that builds or
+    loads the recipe's model asks here."""
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoModelForSequenceClassification,
+    )
 
     from liger_cli.model.vision import is_vision_language
 
+    if is_reward_config(config):
+        return AutoModelForSequenceClassification
     return AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
+
+
+def is_reward_config(config) -> bool:
+    """Whether the config names a sequence-classification class (a reward model's: one score)."""
+    return any(
+        str(name).endswith("ForSequenceClassification")
+        for name in getattr(config, "architectures", None) or ()
+    )
+
+
+def reward_config(config, pad_token_id: int | None = None):
+    """The config of the recipe's model as a reward model (`training.objective: reward`): the family's own
+    sequence-classification class (transformers' mapping) with one label, and `pad_token_id` set to the
+    collator's, which that class reads to score each row's last non-pad token. A UserError when the family
+    has no such class. Returns a changed copy."""
+    import copy
+
+    from transformers import AutoModelForSequenceClassification
+
+    from liger_cli.model.vision import is_vision_language
+
+    config = copy.deepcopy(config)
+    mapping = AutoModelForSequenceClassification._model_mapping
+    if is_vision_language(config) or type(config) not in mapping:
+        raise UserError(
+            f"training.objective reward: transformers has no sequence-classification class for "
+            f"{type(config).__name__} (model_type {getattr(config, 'model_type', '?')}): choose a text model "
+            "whose family has one (Llama, Qwen2, Mistral, Gemma, ...)"
+        )
+    config.architectures = [mapping[type(config)].__name__]
+    config.num_labels = 1
+    if pad_token_id is not None:
+        config.pad_token_id = pad_token_id
+    return config
+
+
+def recipe_config(recipe: Recipe, pad_token_id: int | None = None):
+    """The config the recipe's model is built from: the model's own, or as a reward model (`reward_config`;
+    `pad_token_id` None: the tokenizer's, as the data stage pads)."""
+    m = recipe.model
+    config = read_config(m.path or m.config, m.trust_remote_code)
+    if recipe.training.objective != "reward":
+        return config
+    if pad_token_id is None:
+        from liger_cli.data.tokenizer import load_tokenizer
+
+        pad_token_id = load_tokenizer(recipe).pad_token_id
+    return reward_config(config, pad_token_id)
 
 
 def meta_model_from_config(
@@ -64,11 +120,12 @@ def meta_model_from_config(
     dtype: torch.dtype | None = None,
     attn_implementation=None,
 ) -> nn.Module:
-    """The model of a config (`model_class`) on the meta device: structure only, no weights read or
-    allocated. `dtype` None keeps the config's own dtype (what the checkpoint holds)."""
+    """The model of a config (`model_class`; `source` a folder, or the config itself) on the meta device:
+    structure only, no weights read or allocated. `dtype` None keeps the config's own dtype (what the
+    checkpoint holds)."""
     import warnings
 
-    config = read_config(source, trust_remote_code)
+    config = read_config(source, trust_remote_code) if not hasattr(source, "to_dict") else source
     if dtype is None:
         dtype = config.dtype if isinstance(getattr(config, "dtype", None), torch.dtype) else torch.float32
     kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code}
@@ -98,8 +155,13 @@ def load_base_model(recipe: Recipe) -> nn.Module:
         kwargs["quantization_config"] = quantize.quantization_config(
             m.quantize, m.quantize_double, kwargs["dtype"], storage
         )
-    config = read_config(m.path or m.config, m.trust_remote_code)
+    config = recipe_config(recipe)
     if m.path is not None:
+        if is_reward_config(
+            config
+        ):  # the score head is new: initialised from the seed, the same on every rank
+            torch.manual_seed(recipe.training.seed)
+            kwargs["config"] = config
         model = model_class(config).from_pretrained(m.path, **kwargs, **m.load_kwargs)
         if m.quantize != "none":
             quantize.after_loading(model)
@@ -131,7 +193,8 @@ def _peft_config(recipe: Recipe, model: nn.Module):
         lora_dropout=a.dropout,
         target_modules=a.target_modules,
         use_dora=a.type == "dora",
-        task_type="CAUSAL_LM",
+        # a reward model: peft's SEQ_CLS trains its score head in full beside the adapter (modules_to_save)
+        task_type="SEQ_CLS" if recipe.training.objective == "reward" else "CAUSAL_LM",
         **adapter_scope(model, recipe),
     )
 
@@ -237,9 +300,8 @@ def twin_adapter(recipe: Recipe):
 def build_meta_model_for(recipe: Recipe) -> nn.Module:
     """The recipe's model and adapter on the meta device: structure only, no weights read."""
     m = recipe.model
-    model = meta_model_from_config(
-        m.path or m.config, m.trust_remote_code, model_dtype(recipe), m.attn_implementation
-    )
+    source = recipe_config(recipe) if recipe.training.objective == "reward" else m.path or m.config
+    model = meta_model_from_config(source, m.trust_remote_code, model_dtype(recipe), m.attn_implementation)
     return add_adapter(model, recipe, low_cpu_mem_usage=True)
 
 

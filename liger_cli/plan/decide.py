@@ -134,10 +134,16 @@ def build_plan(recipe: Recipe, model: nn.Module | None = None, env: Mapping[str,
     m = recipe.model
     notes: list[str] = []
     config = _read_config(recipe)
+    if t.objective == "reward":  # no vocabulary head: the loss kernels have nothing to replace
+        why = (
+            "a reward model's score head has no cross-entropy (one score per sequence, no vocabulary logits)"
+        )
+        kernels_off = {k: why for k in ("cross_entropy", "fused_linear_cross_entropy") if kernels.get(k)}
+        kernels = {k: on and k not in kernels_off for k, on in kernels.items()}
     quantize = _quantize(recipe)
     if recipe.kernels.check and any(kernels.values()):
         check = _check_kernels(recipe, config, kernels)
-        kernels, kernels_off = check.kernels, check.switched_off
+        kernels, kernels_off = check.kernels, {**kernels_off, **check.switched_off}
         notes += check.lines()
     for verdict in _check_pipeline(recipe, config, kernels, world):  # the twin as the run trains it
         if verdict.error:
@@ -229,10 +235,10 @@ def _quantize(recipe: Recipe) -> str:
 
 
 def _read_config(recipe: Recipe):
-    from liger_cli.model import read_config
+    """The model's config as the run builds it (a reward model's: its sequence-classification class)."""
+    from liger_cli.model import recipe_config
 
-    m = recipe.model
-    return read_config(m.path or m.config, m.trust_remote_code)
+    return recipe_config(recipe)
 
 
 def _check_kernels(recipe: Recipe, config, kernels: dict[str, bool]):

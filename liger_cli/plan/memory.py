@@ -78,6 +78,7 @@ class Settings:
     with full fine-tuning and beta > 0: "copy" (the starting weights as each rank stores them)."""
     kv_cache_bytes: int = 0
     """GRPO: the KV cache of sampling one micro-batch's completions (freed before its forward)."""
+    score_head: bool = False  # a reward model: a score head, no vocabulary logits (no loss kernel)
 
 
 @dataclass(frozen=True)
@@ -219,7 +220,7 @@ def estimate(facts: Facts, s: Settings) -> tuple[dict[str, int], dict[str, str]]
     else:
         acts = facts.activations.checkpointed() if s.checkpointing else facts.activations.total
         parts["activations"] = int(acts * rows / facts.batch)
-    parts["loss"], notes["loss"] = _loss(facts, rows * facts.seq_len, s.fused_loss)
+    parts["loss"], notes["loss"] = _loss(facts, rows * facts.seq_len, s.fused_loss, s.score_head)
     if s.kv_cache_bytes:  # sampling precedes the step and is freed before it: counted as an upper bound
         parts["kv cache"] = s.kv_cache_bytes
         notes["kv cache"] = (
@@ -230,7 +231,7 @@ def estimate(facts: Facts, s: Settings) -> tuple[dict[str, int], dict[str, str]]
     return parts, notes
 
 
-def _loss(facts: Facts, tokens: int, fused: bool) -> tuple[int, str]:
+def _loss(facts: Facts, tokens: int, fused: bool, score_head: bool = False) -> tuple[int, str]:
     import torch
     from liger_kernels.fused_linear_cross_entropy import (
         CHUNK_BYTES,
@@ -238,6 +239,8 @@ def _loss(facts: Facts, tokens: int, fused: bool) -> tuple[int, str]:
         vocab_block_for,
     )
 
+    if score_head:  # a reward model: fp32 scores, one per token, then one per sequence
+        return tokens * 4, "score head: one score per token, no vocabulary logits"
     if not fused:
         return (
             EAGER_LOSS_COPIES * tokens * facts.vocab * 4,
@@ -266,6 +269,7 @@ def settings_of(recipe: Recipe, plan: Plan) -> Settings:
         rows_per_example=rows_per_example(recipe),
         reference=reference(recipe),
         kv_cache_bytes=kv_cache_bytes(recipe),
+        score_head=recipe.training.objective == "reward",
     )
 
 
@@ -291,7 +295,7 @@ def suggest(facts: Facts, s: Settings, device_memory: int) -> list[Suggestion]:
     candidates: list[tuple[tuple[str, ...], Settings]] = []
     if not s.checkpointing:
         candidates.append((("distributed.activation_checkpointing=auto",), replace(s, checkpointing=True)))
-    if not s.fused_loss:
+    if not s.fused_loss and not s.score_head:
         candidates.append((("kernels.fused_linear_cross_entropy=true",), replace(s, fused_loss=True)))
     halvings = [s.micro_batch >> k for k in range(1, s.micro_batch.bit_length())]
     if halvings:  # the same tokens per optimizer step

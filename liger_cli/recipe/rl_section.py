@@ -10,23 +10,59 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
+import yaml
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from liger_cli.recipe.base import _resolve, _Section
+from liger_cli.recipe.base import RelPath, _resolve, _Section
 
 
 class RewardSpec(_Section):
-    """One reward function and its weight."""
+    """One reward: a function or a trained reward model, and its weight."""
 
-    function: str
+    function: str | None = None
     """`file.py:name` (a file beside the recipe, or a path) or `package.module:name`."""
+    model: RelPath | None = None
+    """A reward model: the output.dir of a run with training.objective reward; it scores prompt + completion."""
     weight: float = 1.0
-    """The function's weight in the summed reward."""
+    """The reward's weight in the summed reward."""
 
     @field_validator("function")
     @classmethod
-    def _spec(cls, value: str, info: ValidationInfo) -> str:
-        return code_spec(value, info, "function")
+    def _spec(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return None if value is None else code_spec(value, info, "function")
+
+    @model_validator(mode="after")
+    def _one(self) -> RewardSpec:
+        if (self.function is None) == (self.model is None):
+            raise ValueError(
+                "each rl.rewards entry gives one of function (file.py:name) or model (a reward run's output.dir)"
+            )
+        if self.model is not None:
+            reward_run_final(self.model, "rl.rewards model")
+        return self
+
+
+def reward_run_final(path: Path, what: str) -> Path:
+    """The final/ folder of a finished reward-model run (`path` the run folder or its final/), found by
+    reading its recipe.yaml, never its weights; a one-line ValueError naming `what` and the fix otherwise."""
+    path = Path(path).expanduser().resolve()
+    run = path.parent if path.name == "final" else path
+    fix = "give the output.dir of a finished run with training.objective: reward"
+    if not (run / "recipe.yaml").is_file():
+        raise ValueError(f"{what} {path}: not a liger run folder (no recipe.yaml); {fix}")
+    try:
+        recipe = yaml.safe_load((run / "recipe.yaml").read_text()) or {}
+        objective = (recipe.get("training") or {}).get("objective", "sft")
+    except (yaml.YAMLError, AttributeError) as err:
+        raise ValueError(
+            f"{what} {run / 'recipe.yaml'} is not a liger run's recipe ({type(err).__name__}); {fix}"
+        ) from None
+    if objective != "reward":
+        raise ValueError(f"{what} {run}: a {objective} run, not a reward model; {fix}")
+    final = run / "final"
+    if not any((final / name).is_file() for name in ("adapter_config.json", "config.json")):
+        raise ValueError(f"{what} {run}: no final model in {final} (the run has not finished); {fix}")
+    return final
 
 
 def code_spec(value: str, info: ValidationInfo, what: str) -> str:
@@ -136,6 +172,8 @@ def check_rl(recipe) -> None:
         )
     if "preference" in recipe.model_fields_set:
         raise ValueError("the preference section applies to dpo, simpo and orpo; remove it")
+    if recipe.reward is not None:
+        raise ValueError("the reward section applies to training.objective reward; remove it")
     if recipe.data.packing or recipe.data.streaming:
         raise ValueError("data.packing and data.streaming do not apply to prompts; set them to false")
     if recipe.training.eval_samples:

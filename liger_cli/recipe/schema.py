@@ -22,6 +22,7 @@ from pydantic import (
 from liger_cli.recipe.base import RelPath, _Section
 from liger_cli.recipe.data_section import DataSection
 from liger_cli.recipe.distributed_section import DistributedSection, split_names
+from liger_cli.recipe.reward_section import RewardSection, check_reward
 from liger_cli.recipe.rl_section import RLSection, check_rl
 
 
@@ -174,9 +175,9 @@ class TrainingSection(_Section):
     the share equal to their reference answer is logged as eval_sample_match."""
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     """Mixed precision; auto: bf16/fp16 on a GPU, fp32 on a CPU."""
-    objective: Literal["sft", "dpo", "simpo", "orpo", "grpo"] = "sft"
-    """sft: the causal-LM loss on the learned tokens; dpo, simpo, orpo: preference pairs (data.format
-    preference); grpo: online RL on prompts (data.format prompt) with the rl section's rewards."""
+    objective: Literal["sft", "dpo", "simpo", "orpo", "reward", "grpo"] = "sft"
+    """sft: the causal-LM loss on the learned tokens; dpo, simpo, orpo and reward (a score head): preference
+    pairs (data.format preference); grpo: online RL on prompts (data.format prompt) with the rl section's rewards."""
 
     @model_validator(mode="after")
     def _one_length(self) -> TrainingSection:
@@ -298,6 +299,7 @@ class Recipe(_Section):
     output: OutputSection = Field(default_factory=OutputSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
     preference: PreferenceSection = Field(default_factory=PreferenceSection)
+    reward: RewardSection | None = None
     rl: RLSection | None = None
 
     @model_validator(mode="after")
@@ -313,12 +315,13 @@ class Recipe(_Section):
             )
         if objective == "sft" and fmt == "preference":
             raise ValueError("data.format preference needs a preference objective: set training.objective to dpo, "
-                             "simpo or orpo")  # fmt: skip
+                             "simpo, orpo or reward")  # fmt: skip
+        check_reward(self)
         if objective == "sft" and "preference" in self.model_fields_set:
             raise ValueError(
                 "the preference section applies to training.objective dpo, simpo or orpo; remove it"
             )
-        if objective != "sft":
+        if objective not in ("sft", "reward"):
             self.preference.check(objective)
         self._quantized_needs()
         if self.training.eval_samples:
@@ -382,9 +385,10 @@ class Recipe(_Section):
 
     def to_yaml(self) -> str:
         data = self.model_dump(mode="json")
-        if data["rl"] is None:
-            del data["rl"]
-        if self.training.objective in ("sft", "grpo"):
+        for section in ("rl", "reward"):  # optional sections, left out when not given
+            if data[section] is None:
+                del data[section]
+        if self.training.objective in ("sft", "grpo", "reward"):
             del data["preference"]  # sft recipes read as they always did
         else:  # the options the objective honours, resolved; the others would be refused on reload
             applies = self.preference.applies(self.training.objective)

@@ -90,6 +90,9 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
 
         check_prompts(recipe, data.train, "train")
         check_prompts(recipe, data.eval, "eval")
+    if hasattr(objective, "check_data"):  # a reward model's margins, before anything is built
+        objective.check_data(data.train, "train")
+        objective.check_data(data.eval, "eval")
     memory = MemoryWatch(accelerator.device)
     model, kernel_report = build_model(recipe, plan)
     claim_output(output, accelerator.is_main_process, accelerator.wait_for_everyone)

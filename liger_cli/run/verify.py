@@ -35,6 +35,7 @@ PROBE_ROWS, PROBE_TOKENS = 2, 64
 # order; half precision: its rounding, and a merge that rounds W + BA into the base's dtype).
 LOGIT_RTOL = {"fp32": 1e-3, "half": 5e-2}
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
+BATCH_ONLY = ("pair", "margin")  # an objective's per-pair values in its batches, never model inputs
 
 
 class NotVerified(RunFailed):
@@ -45,6 +46,7 @@ def probe_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The model inputs of a collated batch's first rows and tokens (labels dropped). A batch with image
     inputs (any key beyond the text ones: `pixel_values`, `image_grid_thw`, ...) is kept whole, its rows
     uncut: those tensors are per image, not per row, and cutting tokens could cut an image's tokens."""
+    batch = {k: v for k, v in batch.items() if k not in BATCH_ONLY}
     if set(batch) - {*MODEL_INPUTS, "labels"}:
         return {k: v for k, v in batch.items() if k != "labels"}
     return {k: v[:PROBE_ROWS, :PROBE_TOKENS] for k, v in batch.items() if k in MODEL_INPUTS}

@@ -56,7 +56,12 @@ class KernelCheck:
         on = f" ({self.loss})" if self.loss else ""
         head = f"kernel check: one step on a tiny twin{on}, patched vs unpatched: "  # no timing: reproducible
         if not self.switched_off:
-            return [head + "loss, every gradient and greedy generation agree", *self._scope_lines()]
+            agree = (
+                "loss and every gradient agree"
+                if "reward" in self.loss
+                else "loss, every gradient and greedy generation agree"
+            )
+            return [head + agree, *self._scope_lines()]
         return (
             [head + "switched off " + ", ".join(self.switched_off)]
             + [f"  {name} off: {why}" for name, why in self.switched_off.items()]
@@ -144,8 +149,10 @@ def compare_kernels(
 
     unpatched = fresh()
     reference = train_step(unpatched, batch, loss_of=loss_of)
-    try:
-        reference_tokens = greedy_tokens(unpatched, batch)
+    try:  # a reward model (one score per sequence) does not generate
+        reference_tokens = (
+            None if unpatched.get_output_embeddings() is None else greedy_tokens(unpatched, batch)
+        )
     except Exception:  # noqa: BLE001 - a model that cannot generate with a cache: its steps are still compared
         reference_tokens = None
     model = fresh()

@@ -48,9 +48,15 @@ def _position_tables(model, config) -> bool:
 
 
 def _from_config(config, image_text: bool = False, **kwargs):
+    """The twin's class: a reward model's (a config naming a sequence-classification class) is built by
+    its auto class too."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    from liger_cli.model import is_reward_config, model_class
+
     auto = AutoModelForImageTextToText if image_text else AutoModelForCausalLM
+    if is_reward_config(config):
+        auto = model_class(config)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return auto.from_config(config, **kwargs)
@@ -96,6 +102,7 @@ def tiny_causal_lm(
     parameters, `TinyModelError` says why in one line and nothing is allocated. A learned position table
     of max_position_embeddings rows (GPT-2, OPT) shrinks to 256 rows.
     """
+    from liger_cli.model import is_reward_config
     from liger_cli.model.vision import is_vision_language
 
     kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code}
@@ -120,6 +127,8 @@ def tiny_causal_lm(
     torch.manual_seed(seed)
     model = _from_config(tiny, **kwargs)
     model.config.use_cache = False
+    if is_reward_config(model.config):  # it scores the last token that is not the pad the batches pad with
+        model.config.pad_token_id = twin_vocab(model)[1]
     return model.train()
 
 

@@ -53,7 +53,7 @@ class Objective(Protocol):
 
 def objective_for(recipe: Recipe) -> Objective:
     """The recipe's `training.objective`: sft (the causal-LM loss over label tokens), a preference
-    objective (a loss per pair: dpo, simpo, orpo), or grpo (online RL; its reward functions are
+    objective (a loss per pair: dpo, simpo, orpo), a reward model (the Bradley-Terry loss per pair), or grpo (online RL; its reward functions are
     imported here, so a broken one stops the run before the model is built)."""
     objective = recipe.training.objective
     if objective == "sft":
@@ -65,4 +65,8 @@ def objective_for(recipe: Recipe) -> Objective:
         return Grpo(
             recipe.rl, load_rewards(recipe.rl.rewards), recipe.training.seed, recipe.adapter.type != "none"
         )
+    if objective == "reward":  # a score head on pairs (reward.py)
+        from liger_cli.model.objectives.reward import Reward
+
+        return Reward(recipe.reward)
     return Preference(objective, recipe.preference, adapter=recipe.adapter.type != "none")

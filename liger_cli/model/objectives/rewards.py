@@ -35,16 +35,46 @@ class Reward:
 
 
 def load_rewards(specs) -> list[Reward]:
-    """Import every `rl.rewards` entry; names are the functions' (a repeated one gets _2, _3)."""
+    """Import every `rl.rewards` entry; names are the functions' (a repeated one gets _2, _3), a reward
+    model's its run folder's name. A reward model's weights load at its first call (`ModelReward`)."""
     rewards: list[Reward] = []
     for entry in specs:
-        function = _load(entry.function)
-        name = entry.function.rpartition(":")[2]
+        if getattr(entry, "model", None) is not None:
+            function = ModelReward(entry.model)
+            name, spec = function.final.parent.name, str(function.final.parent)
+        else:
+            function, name, spec = _load(entry.function), entry.function.rpartition(":")[2], entry.function
         taken = {r.name for r in rewards}
         if name in taken:
             name = next(f"{name}_{k}" for k in range(2, len(taken) + 3) if f"{name}_{k}" not in taken)
-        rewards.append(Reward(name, entry.function, entry.weight, function))
+        rewards.append(Reward(name, spec, entry.weight, function))
     return rewards
+
+
+class ModelReward:
+    """A trained reward model as a reward function (`rl.rewards: [{model: RUN}]`): each prompt + completion
+    rendered with the reward model's own tokenizer and template as its training rendered them, scored in
+    batches under no_grad (`liger_cli.model.reward_model`). Loaded once per process, whole on every rank
+    (frozen and small), on its first call: planning (`--dry-run`) reads no weights."""
+
+    BATCH = 16
+
+    def __init__(self, path):
+        from liger_cli.model.reward_model import check_reward_run
+
+        self.final = check_reward_run(path, "rl.rewards model")
+        self.model = None
+
+    def __call__(self, completions: list[str], prompts: list, **kwargs) -> list[float]:
+        import torch
+
+        from liger_cli.model.reward_model import RewardModel
+
+        if self.model is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+            self.model = RewardModel(self.final, device)
+        ids = [self.model.encode(p, c) for p, c in zip(prompts, completions, strict=True)]
+        return self.model.scores(ids, self.BATCH)
 
 
 def _load(spec: str):
