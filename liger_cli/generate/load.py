@@ -82,7 +82,8 @@ def find_target(path: Path, adapter: Path | None = None, fmt: str | None = None)
 
 
 def run_format(recipe: Recipe) -> str:
-    return "preference" if recipe.training.objective in ("dpo", "simpo", "orpo") else recipe.data.format
+    paired = recipe.training.objective in ("dpo", "simpo", "orpo", "kto")  # kto's prompts render as pairs' do
+    return "preference" if paired else recipe.data.format
 
 
 def chat_or_text(target: Target, tokenizer) -> str:

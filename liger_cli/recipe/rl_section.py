@@ -136,6 +136,8 @@ def check_rl(recipe) -> None:
         )
     if "preference" in recipe.model_fields_set:
         raise ValueError("the preference section applies to dpo, simpo and orpo; remove it")
+    if "kto" in recipe.model_fields_set:
+        raise ValueError("the kto section applies to training.objective kto; remove it")
     if recipe.data.packing or recipe.data.streaming:
         raise ValueError("data.packing and data.streaming do not apply to prompts; set them to false")
     if recipe.training.eval_samples:

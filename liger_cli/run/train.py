@@ -284,6 +284,8 @@ def fit(trainer: Trainer) -> dict[str, float]:
                 objective.collate(data.examples(step * t.grad_accum + a), pad_id) for a in range(t.grad_accum)
             ]
         num_items = accelerator.reduce(sum(objective.units(b) for b in micro).to(device), "sum").clamp(min=1)
+        if hasattr(objective, "begin_step"):  # kto: what the step's whole global batch decides (z0)
+            objective.begin_step(model, micro, device, lambda t: accelerator.reduce(t, "sum"))
         step_sums = None  # the step's loss, then each of the objective's metrics (means over its units)
         for a, batch in enumerate(micro):
             last_micro = a == len(micro) - 1
