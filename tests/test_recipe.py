@@ -114,7 +114,7 @@ BAD = [
     (
         GOOD.replace("format: text", "format: csv"),
         [],
-        ["data.format", "'text', 'instruction', 'chat', 'preference' or 'prompt'"],
+        ["data.format", "'text', 'instruction', 'chat', 'preference', 'unpaired' or 'prompt'"],
     ),
     (
         GOOD.replace("format: text", "format: text\n  eval_fraction: 1.5"),

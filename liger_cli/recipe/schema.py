@@ -22,6 +22,7 @@ from pydantic import (
 from liger_cli.recipe.base import RelPath, _Section
 from liger_cli.recipe.data_section import DataSection
 from liger_cli.recipe.distributed_section import DistributedSection, split_names
+from liger_cli.recipe.kto_section import KtoSection, check_kto
 from liger_cli.recipe.rl_section import RLSection, check_rl
 
 
@@ -176,8 +177,8 @@ class TrainingSection(_Section):
     """Mixed precision; auto: bf16/fp16 on a GPU, fp32 on a CPU."""
     objective: Literal["sft", "dpo", "simpo", "orpo", "kto", "grpo"] = "sft"
     """sft: the causal-LM loss on the learned tokens; dpo, simpo, orpo: preference pairs (data.format
-    preference); kto: completions labelled desirable or not (data.format unpaired) with the kto
-    section's options; grpo: online RL on prompts (data.format prompt) with the rl section's rewards."""
+    preference); kto: labelled completions (data.format unpaired); grpo: online RL on prompts (data.format
+    prompt) with the rl section's rewards."""
 
     @model_validator(mode="after")
     def _one_length(self) -> TrainingSection:
@@ -220,17 +221,6 @@ class PreferenceSection(_Section):
                     f" with loss_type {self.loss_type}" if objective == "dpo" else ""
                 )
                 raise ValueError(f"preference.{name} does not apply to {where}; remove it")
-
-
-class KtoSection(_Section):
-    """KTO's options (training.objective kto only)."""
-
-    beta: float = Field(0.1, gt=0)
-    """The reward scale: a completion's reward is beta x (its log-prob under the model - under the reference)."""
-    desirable_weight: float = Field(1.0, gt=0)
-    """The weight of each desirable (label true) completion's loss."""
-    undesirable_weight: float = Field(1.0, gt=0)
-    """The weight of each undesirable (label false) completion's loss."""
 
 
 class KernelsSection(_Section):
@@ -320,21 +310,17 @@ class Recipe(_Section):
         if objective == "grpo" or fmt == "prompt" or self.rl is not None:
             check_rl(self)
             return self
-        if objective != "kto" and "kto" in self.model_fields_set:
-            raise ValueError(f"the kto section applies to training.objective kto, not {objective}; remove it")
-        if objective == "kto" or fmt == "unpaired":
-            self._kto_needs()
+        if objective == "kto" or fmt == "unpaired" or "kto" in self.model_fields_set:
+            check_kto(self)
         elif objective != "sft" and fmt != "preference":
-            raise ValueError(
-                f"training.objective {objective} trains on preference pairs: set data.format: preference"
-            )
+            raise ValueError(f"training.objective {objective} trains on preference pairs: set data.format: "
+                             "preference")  # fmt: skip
         if objective == "sft" and fmt == "preference":
             raise ValueError("data.format preference needs a preference objective: set training.objective to dpo, "
                              "simpo or orpo")  # fmt: skip
         if objective == "sft" and "preference" in self.model_fields_set:
-            raise ValueError(
-                "the preference section applies to training.objective dpo, simpo or orpo; remove it"
-            )
+            raise ValueError("the preference section applies to training.objective dpo, simpo or orpo; "
+                             "remove it")  # fmt: skip
         if objective not in ("sft", "kto"):
             self.preference.check(objective)
         self._quantized_needs()
@@ -353,29 +339,6 @@ class Recipe(_Section):
                 "set training.max_steps and remove training.epochs"
             )
         return self
-
-    def _kto_needs(self) -> None:
-        """KTO trains on unpaired completions, with its own section (never the preference one)."""
-        if self.training.objective != "kto":
-            raise ValueError(
-                "data.format unpaired (completions labelled true or false) goes with training.objective kto: "
-                "set it, or use data.format preference with dpo, simpo or orpo"
-            )
-        if self.data.format != "unpaired":
-            raise ValueError(
-                "training.objective kto trains on completions labelled true or false: set data.format: unpaired "
-                '(rows {"prompt": ..., "completion": ..., "label": true})'
-            )
-        if "preference" in self.model_fields_set:
-            raise ValueError(
-                "the preference section applies to dpo, simpo and orpo; kto's options are the kto section "
-                "(beta, desirable_weight, undesirable_weight): move them there"
-            )
-        if self.training.eval_samples:
-            raise ValueError(
-                "training.eval_samples compares greedy completions with a reference answer, and an unpaired "
-                "row's completion may be an undesirable one: remove training.eval_samples"
-            )
 
     def _samples_need(self) -> None:
         """Samples complete eval prompts: an eval set whose rows have a prompt before the answer."""
@@ -424,8 +387,7 @@ class Recipe(_Section):
         data = self.model_dump(mode="json")
         if data["rl"] is None:
             del data["rl"]
-        if self.training.objective != "kto":
-            del data["kto"]
+        data.pop("kto") if self.training.objective != "kto" else None  # only kto's recipes hold it
         if self.training.objective in ("sft", "grpo", "kto"):
             del data["preference"]  # sft recipes read as they always did
         else:  # the options the objective honours, resolved; the others would be refused on reload

@@ -96,8 +96,9 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
     record_plan(recipe, plan, Applied(kernels_patched=kernel_report), accelerator.is_main_process, say)
     describe(model, data, say)
     trainer = prepare(recipe, backend, model, data, say, run_fingerprint, memory, objective)
+    collate, unit = objective.collate, getattr(objective, "unit", "pair")  # unit: what the log calls them
     reference = precompute_for(
-        recipe, backend, trainer.model, data, objective.collate, run_fingerprint, say, output.resume_from
+        recipe, backend, trainer.model, data, collate, run_fingerprint, say, output.resume_from, unit
     )
     objective.prepare(reference)  # before any weight changes
     if getattr(objective, "online", False):
