@@ -353,7 +353,7 @@ def test_the_kto_recipe_trains_a_step_and_evaluates(tmp_path):
     eval_rows.write_text(
         "".join((recipe.parent / "kto" / "eval.jsonl").read_text().splitlines(keepends=True)[:32])
     )
-    proc = liger_here("train", str(recipe), "--set", "training.max_steps=2", "--set", f"data.eval={eval_rows}",
+    proc = liger_here("train", str(recipe), "--set", "training.max_steps=2", "--set", "training.micro_batch_size=16", "--set", f"data.eval={eval_rows}",
                       "--set", f"output.dir={tmp_path / 'out'}", "--set", "output.save_every=null")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert metrics(tmp_path / "out", "eval_loss")[0] == 0.5
