@@ -177,34 +177,29 @@ def write_unpaired(path: Path, n_pairs: int = 24, only: bool | None = None) -> P
     return path
 
 
-def write_recipe(folder: Path, model_dir: Path, data: Path, out: Path) -> Path:
-    recipe = folder / f"{out.name}.yaml"
-    recipe.write_text(
-        f"model: {{path: {model_dir}}}\n"
-        "adapter: {type: lora, r: 4, alpha: 8}\n"
-        f"data: {{train: {data}, format: unpaired, max_seq_len: 24, eval_fraction: 0.25}}\n"
-        "training: {objective: kto, max_steps: 4, micro_batch_size: 3, grad_accum: 2, lr: 2.0e-2, eval_every: 2, "
-        "seed: 1}\n"
-        "kto: {beta: 0.5, undesirable_weight: 1.5}\n"
-        f"output: {{dir: {out}, save_every: 2}}\n"
-        "logging: {every: 1}\n"
-    )
-    return recipe
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "kto.yaml"
 
 
 @pytest.fixture(scope="module")
-def kto_runs(tiny_model_dir, tmp_path_factory) -> dict:
-    """In this process (test_train.liger_here): a 4-step KTO run with checkpoints at 2 and 4, then the same
-    recipe resumed from its step-2 checkpoint into another folder."""
+def kto_runs(tmp_path_factory) -> dict:
+    """In this process (test_train.liger_here): the shipped recipes/kto.yaml (its model, its train rows)
+    for 4 steps of 3 x 2 completions with checkpoints at 2 and 4 and 32 of its eval rows, then the same
+    run resumed from its step-2 checkpoint into another folder."""
     from test_train import liger_here
 
     root = tmp_path_factory.mktemp("kto")
-    data = write_unpaired(root / "unpaired.jsonl")
+    eval_rows = root / "eval.jsonl"
+    eval_rows.write_text(
+        "".join((RECIPE.parent / "kto" / "eval.jsonl").read_text().splitlines(keepends=True)[:32])
+    )
     out, resumed = root / "run", root / "resumed"
-    recipe = write_recipe(root, tiny_model_dir, data, out)
-    first = liger_here("train", str(recipe))
+    settings = {"training.max_steps": 4, "training.micro_batch_size": 3, "training.grad_accum": 2,
+                "training.lr": 2e-2, "training.eval_every": 2, "kto.beta": 0.5, "kto.undesirable_weight": 1.5,
+                "data.eval": eval_rows, "output.save_every": 2, "logging.every": 1}  # fmt: skip
+    overrides = [arg for key, value in settings.items() for arg in ("--set", f"{key}={value}")]
+    first = liger_here("train", str(RECIPE), *overrides, "--set", f"output.dir={out}")
     assert first.returncode == 0, first.stderr[-3000:]
-    again = liger_here("train", str(recipe), "--set", f"output.dir={resumed}",
+    again = liger_here("train", str(RECIPE), *overrides, "--set", f"output.dir={resumed}",
                        "--set", f"output.resume={out / 'checkpoints' / 'step-2'}")  # fmt: skip
     return {"run": first, "out": out, "resumed": again, "resumed_out": resumed}
 
@@ -342,19 +337,3 @@ def test_the_memory_plan_counts_kto_as_dpo(tmp_path):
         for name, over in (("kto.yaml", ["training.micro_batch_size=16"]), ("dpo.yaml", []))
     ]
     assert plans[0]["activations"] == plans[1]["activations"] and plans[0]["activations"] > 0
-
-
-def test_the_kto_recipe_trains_a_step_and_evaluates(tmp_path):
-    """recipes/kto.yaml as shipped (its data, its model), 2 steps and a 32-row eval."""
-    from test_train import liger_here
-
-    recipe = Path(__file__).resolve().parents[1] / "recipes" / "kto.yaml"
-    eval_rows = tmp_path / "eval.jsonl"
-    eval_rows.write_text(
-        "".join((recipe.parent / "kto" / "eval.jsonl").read_text().splitlines(keepends=True)[:32])
-    )
-    proc = liger_here("train", str(recipe), "--set", "training.max_steps=2", "--set", "training.micro_batch_size=16", "--set", f"data.eval={eval_rows}",
-                      "--set", f"output.dir={tmp_path / 'out'}", "--set", "output.save_every=null")  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert metrics(tmp_path / "out", "eval_loss")[0] == 0.5
-    assert "start check: step 1 has policy == reference" in proc.stdout
