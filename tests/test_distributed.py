@@ -21,6 +21,7 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
+from test_kto import write_unpaired
 from test_preference_train import write_pairs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,6 +61,7 @@ def assets(tmp_path_factory) -> dict[str, Path]:
         "model": save_tiny_model(root / "llama"),
         "tied": save_tiny_model(root / "llama-tied", tie_word_embeddings=True),
         "pairs": write_pairs(root / "pairs.jsonl", n=40),
+        "unpaired": write_unpaired(root / "unpaired.jsonl", n_pairs=20),
     }
 
 
@@ -87,14 +89,25 @@ def split_step(name: str) -> dict:
     return {"training__micro_batch_size": micro, "training__grad_accum": accum}
 
 
+def kto_full(assets: dict) -> dict:
+    """KTO with full fine-tuning on 40 labelled completions (34 train, 6 eval): the reference table of each
+    completion and its mismatched one, and z0 from the step's completions on both ranks (all-reduced),
+    pushed above 0 (desirable completions weighted up, a high learning rate) so that it counts."""
+    return {"data__train": str(assets["unpaired"]), "data__format": "unpaired", "data__max_seq_len": 24,
+            "training__objective": "kto", "adapter__type": "none", "data__eval_fraction": 0.15,
+            "training__lr": 2e-2, "training__warmup_steps": 0, "kto__beta": 1.0,
+            "kto__undesirable_weight": 0.2}  # fmt: skip
+
+
 def preference_cases(assets: dict) -> dict[str, dict]:
     """Every preference objective in the 2-process comparison: DPO with LoRA and full, SimPO with LoRA
-    (no reference), ORPO full (no reference, its NLL term)."""
+    (no reference), ORPO full (no reference, its NLL term), KTO full (its z0 over the step)."""
     return {
         "dpo": dpo(assets),
         "dpo-full": dpo_full(assets),
         "simpo": {**dpo(assets), "training__objective": "simpo"},
         "orpo-full": {**dpo_full(assets), "training__objective": "orpo"},
+        "kto-full": kto_full(assets),
     }
 
 
@@ -121,7 +134,7 @@ def write_recipe(
     }
     for key, value in over.items():
         section, _, name = key.partition("__")
-        recipe[section][name] = value
+        recipe.setdefault(section, {})[name] = value
     path = out.parent / f"{out.name}.yaml"
     path.write_text(yaml.safe_dump(recipe))
     return path
@@ -270,7 +283,7 @@ def test_two_processes_train_the_one_process_model(backend: str, assets, referen
     for name, out in outs.items():
         ref = references[name if name in references else "full" if name.startswith("full") else "lora"]
         assert_same_run(out, ref)
-        for key in ("rewards/margins", "logps/rejected", "eval_loss"):  # all ranks' pairs in each mean
+        for key in ("rewards/margins", "logps/rejected", "eval_loss", "kl", "eval_kl"):  # all ranks' rows
             assert losses(out, key) == pytest.approx(losses(ref, key), abs=1e-4, rel=1e-5), (name, key)
         assert bool(losses(out, "rewards/margins")) == (name in preference_cases(assets))
         plan = (out / "plan.txt").read_text()
@@ -286,7 +299,8 @@ def test_two_processes_train_the_one_process_model(backend: str, assets, referen
     for split in got:
         torch.testing.assert_close(got[split], want[split], atol=1e-5, rtol=1e-6, msg=split)
     computed = [line for line in stdout.splitlines() if line.startswith("reference log-probs: computed")]
-    assert len(computed) == 1 and f"under {backend}" in computed[0], computed
+    assert len(computed) == 2 and all(f"under {backend}" in line for line in computed), computed  # dpo, kto
+    assert max(losses(references["kto-full"], "kl")) > 0.1  # z0 above its clamp: the reduction counts
     assert losses(resumed) == pytest.approx(losses(outs["lora"])[2:], abs=1e-5, rel=0)
     got, want = (load_file(p / "final" / "adapter_model.safetensors") for p in (resumed, outs["lora"]))
     for key in want:

@@ -24,7 +24,12 @@ ROWS = {
 
 
 def _invoke(*args: str):
-    return CliRunner().invoke(cli.app, list(args))
+    """In this process, with what the command changes process-wide put back (a dry run hides
+    bitsandbytes from the rest of its process when its recipe does not quantize)."""
+    from test_train import restored_process_state
+
+    with restored_process_state():
+        return CliRunner().invoke(cli.app, list(args))
 
 
 def _data(tmp_path: Path, objective: str) -> Path:
@@ -94,7 +99,7 @@ def test_init_refuses_to_overwrite_and_bad_options(tiny_model_dir: Path, tmp_pat
 
     fresh = tmp_path / "fresh.yaml"
     for option, value, said in (
-        ("--objective", "ppo", "error: --objective ppo: choose one of sft, dpo, simpo, orpo, grpo"),
+        ("--objective", "ppo", "error: --objective ppo: choose one of sft, dpo, simpo, orpo, kto, reward, grpo"),
         ("--quantize", "int8", "error: --quantize int8: choose one of none, nf4, fp4"),
         ("--data", str(tmp_path / "none.jsonl"), f"error: --data {tmp_path / 'none.jsonl'}: no such file"),
     ):

@@ -114,7 +114,7 @@ BAD = [
     (
         GOOD.replace("format: text", "format: csv"),
         [],
-        ["data.format", "'text', 'instruction', 'chat', 'preference' or 'prompt'"],
+        ["data.format", "'text', 'instruction', 'chat', 'preference', 'unpaired' or 'prompt'"],
     ),
     (
         GOOD.replace("format: text", "format: text\n  eval_fraction: 1.5"),
@@ -240,7 +240,19 @@ def test_real_process_exit_code_and_no_traceback(workdir: Path) -> None:
     assert not (workdir / "out").exists()
 
 
-@pytest.mark.parametrize("shipped", sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml")))
+# Shipped recipes that name a run another recipe writes first (they load only after it): their round trip
+# is asserted where that run exists.
+NEEDS_A_RUN = {"grpo-rm.yaml": "tests/test_reward_model.py, on the reward run its fixture trains"}
+
+
+@pytest.mark.parametrize(
+    "shipped",
+    [
+        p
+        for p in sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
+        if p.name not in NEEDS_A_RUN
+    ],
+)
 def test_a_runs_resolved_recipe_loads_back_as_the_same_recipe(shipped: Path, tmp_path: Path) -> None:
     """The `recipe.yaml` a run writes (every default resolved) is a recipe that loads again, unchanged."""
     recipe = load_recipe(shipped, [])

@@ -257,6 +257,13 @@ def test_grpo_with_a_reward_model_logs_its_score_and_scores_as_transformers_does
         torch.tensor([r["rewards"][name] for r in rollouts[:8]]), want, rtol=1e-4, atol=1e-5
     )
     assert logged[0][f"rewards/{name}"] == pytest.approx(want.mean().item(), rel=1e-4, abs=1e-5)
+    # The resolved recipe the run wrote (the shipped recipe's, test_recipe.NEEDS_A_RUN) loads back unchanged.
+    from liger_cli.recipe import load_recipe
+
+    recipe = load_recipe(out / "recipe.yaml", [])
+    again = out.parent / "grpo-rm-again.yaml"
+    again.write_text(recipe.to_yaml())
+    assert load_recipe(again, []).model_dump() == recipe.model_dump()
 
 
 def test_recipe_errors_name_the_problem_and_the_fix(rm, tiny_model_dir, tmp_path):

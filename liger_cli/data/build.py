@@ -108,8 +108,9 @@ def prepare_data(
         raise UserError(f"data error: unknown data.format {fmt!r}; use one of: {', '.join(FORMAT_FIELDS)}")
     if data_cfg.eval is not None and data_cfg.eval_fraction is not None:
         raise UserError("data error: set data.eval or data.eval_fraction, not both")
-    if fmt in ("preference", "prompt") and data_cfg.packing:
-        what = "preference pairs" if fmt == "preference" else "prompts (format prompt)"
+    if fmt in PAIRED_KINDS and data_cfg.packing:
+        what = {"preference": "preference pairs", "prompt": "prompts (format prompt)"}.get(fmt)
+        what = what or "unpaired completions (each example is read with its KL partner)"
         raise UserError(f"data error: packing does not apply to {what}; set data.packing: false")
     train_sources, eval_sources = sources_of(data_cfg.train, fmt), sources_of(data_cfg.eval, fmt)
     if not include_train:  # a stream reads the train data itself (liger_cli.data.stream)
@@ -118,7 +119,7 @@ def prepare_data(
         if _kind(source.format) != _kind(fmt):
             raise UserError(
                 f"data error: {source}: format {source.format} cannot be mixed with data.format {fmt}; "
-                "preference pairs, prompts and single examples train different objectives"
+                "preference pairs, unpaired completions, prompts and single examples train different objectives"
             )
         _check_tokenizer(tokenizer, source.format)
 
@@ -147,14 +148,18 @@ def prepare_data(
         evald = mixture(eval_parts, None, seed) if len(eval_parts) > 1 else eval_parts[0]
     for split in (train, evald):
         if split is not None:
-            _finish(split, data_cfg)
+            _finish(split, data_cfg, seed, tokenizer.bos_token_id)
             _log_warnings(split.warnings)
     return train, evald
 
 
+PAIRED_KINDS = ("preference", "prompt", "unpaired")
+
+
 def _kind(fmt: str) -> str:
-    """Formats that mix: single examples together; pairs and prompts only with their own kind."""
-    return fmt if fmt in ("preference", "prompt") else "example"
+    """Formats that mix: single examples together; pairs, unpaired completions and prompts only with
+    their own kind."""
+    return fmt if fmt in PAIRED_KINDS else "example"
 
 
 def encoder(fmt: str, data_cfg: DataConfig, images: Path | None = None):
@@ -209,6 +214,10 @@ def _encode(rows, source: Source, data_cfg: DataConfig, tokenizer, tools: list[d
         from liger_cli.data.preference import encode_pairs
 
         return encode_pairs(rows, path, data_cfg, tokenizer)
+    if source.format == "unpaired":
+        from liger_cli.data.unpaired import encode_unpaired
+
+        return encode_unpaired(rows, path, data_cfg, tokenizer)
     if source.format == "prompt":
         from liger_cli.data.prompts import encode_prompts
 
@@ -243,9 +252,19 @@ def _part(entry, data_cfg: DataConfig, order: list[int] | None) -> Split:
     return split
 
 
-def _finish(split: Split, data_cfg: DataConfig) -> None:
-    """The dataset training receives: the model's columns, packed when packing is on."""
+def _finish(split: Split, data_cfg: DataConfig, seed: int = 0, bos_id: int | None = None) -> None:
+    """The dataset training receives: the model's columns, packed when packing is on; unpaired
+    completions with each one's KL sequence (liger_cli.data.unpaired)."""
     names = split.examples.column_names
+    if "label" in names:
+        from liger_cli.data.unpaired import UNPAIRED_COLUMNS, label_note, with_partners
+
+        if (note := label_note(split.examples, split.path)) is not None:
+            log.warning(note)
+        examples = with_partners(split.examples, seed, data_cfg.max_seq_len, bos_id, split.path)
+        split.dataset = examples.select_columns(list(UNPAIRED_COLUMNS))
+        log.info("data: %s: %d unpaired examples", split.path, len(split.examples))
+        return
     # (each image's first token goes along: eval samples cut prompts and keep the images they hold)
     kept = [c for c in ("input_ids", "labels", "position_ids", IMAGES_COLUMN, IMAGE_STARTS) if c in names]
     if "prompt_ids" in names:  # prompts (online RL), with the file row for the sampling keys

@@ -26,6 +26,8 @@ FORMAT_FIELDS = {
     "chat": "chat format needs messages: a list of {role, content} objects",
     "preference": "preference format needs chosen and rejected, and prompt: all strings or all message lists",
     "prompt": "prompt format needs prompt: a string or a list of messages",
+    "unpaired": "unpaired format needs label (true or false) and prompt with completion (both strings or "
+    "both message lists), or messages ending with the assistant's completion",
 }
 
 
@@ -82,6 +84,7 @@ def row_check(fmt: str):
         "chat": _check_chat_row,
         "preference": _check_preference_row,
         "prompt": _check_prompt_row,
+        "unpaired": _check_unpaired_row,
     }[fmt]
 
 
@@ -119,6 +122,7 @@ def _string_fields(fmt: str) -> list[str]:
         "instruction": ["instruction", "input", "output"],
         "chat": [],
         "prompt": ["prompt"],
+        "unpaired": ["prompt", "completion"],
     }
     return fields.get(fmt, ["prompt", "chosen", "rejected"])
 
@@ -256,6 +260,40 @@ def _check_preference_row(row: dict) -> str | None:
                 'without "prompt", chosen and rejected must be whole conversations that share every message '
                 "but the last; add a prompt field, or make their earlier messages equal"
             )
+    return None
+
+
+def _check_unpaired_row(row: dict) -> str | None:
+    """label: a boolean; prompt and completion (strings, or message lists), or messages whose last turn
+    is the assistant's completion."""
+    label = row.get("label")
+    if not isinstance(label, bool):
+        found = "it is missing" if label is None else f"found {_type_name(label)} {label!r}"
+        return f'field "label" must be true (a desirable completion) or false (an undesirable one): {found}'
+    if row.get("messages") is not None:
+        if row.get("prompt") is not None or row.get("completion") is not None:
+            return 'give either "messages" or "prompt" with "completion", not both'
+        problem = _check_chat_row(row) or _no_images(row["messages"], "messages")
+        if problem is None and row["messages"][-1].get("role") != "assistant":
+            problem = 'field "messages": its last message must be the assistant\'s completion'
+        return problem
+    for name in ("prompt", "completion"):
+        if row.get(name) is None:
+            return f'field "{name}" is missing (or give "messages")'
+        if not isinstance(row[name], str | list):
+            return f'field "{name}" must be a string or a list of messages, found {_type_name(row[name])}'
+    if type(row["prompt"]) is not type(row["completion"]):
+        return 'fields "prompt" and "completion" must be both strings or both message lists, not mixed'
+    if isinstance(row["prompt"], str):
+        return next((f'field "{n}" is empty' for n in ("prompt", "completion") if not row[n].strip()), None)
+    if not row["prompt"]:
+        return 'field "prompt" is empty'
+    for name in ("prompt", "completion"):
+        problem = _check_chat_row({"messages": row[name]}) if name == "completion" else None
+        if problem := problem or _no_images(row[name], name):
+            return problem.replace('"messages', f'"{name}', 1)
+    if row["completion"][-1].get("role") != "assistant":
+        return 'field "completion": its last message must be the assistant\'s'
     return None
 
 

@@ -103,23 +103,29 @@ def prompt_length(enc: Encoded) -> int:
 
 def truncate_pair(pair: EncodedPair, max_seq_len: int, bos_id: int | None) -> tuple[EncodedPair, bool]:
     """Cut both sides to max_seq_len as the module docstring says; (the pair, whether anything was cut)."""
-    longest = max(len(pair.chosen.input_ids), len(pair.rejected.input_ids))
+    sides, cut = truncate_sides([pair.chosen, pair.rejected], max_seq_len, bos_id)
+    return EncodedPair(*sides), cut
+
+
+def truncate_sides(sides: list[Encoded], max_seq_len: int, bos_id: int | None) -> tuple[list[Encoded], bool]:
+    """Sequences that share one context cut to max_seq_len together: the prompt loses the same number of
+    tokens from its left on every side (a leading BOS stays, the prompt keeps at least half of
+    max_seq_len), then a side still too long is cut at its end; (the sides, whether anything was cut)."""
+    longest = max(len(enc.input_ids) for enc in sides)
     if longest <= max_seq_len:
-        return pair, False
-    prompts = [prompt_length(enc) for enc in (pair.chosen, pair.rejected)]
-    keep_bos = bos_id is not None and all(
-        enc.input_ids[:1] == [bos_id] for enc in (pair.chosen, pair.rejected)
-    )
+        return sides, False
+    prompts = [prompt_length(enc) for enc in sides]
+    keep_bos = bos_id is not None and all(enc.input_ids[:1] == [bos_id] for enc in sides)
     floor = min(min(prompts), max(max_seq_len // 2, int(keep_bos)))  # the prompt keeps at least this much
     cut = max(0, min(longest - max_seq_len, min(prompts) - floor))
-    sides = []
-    for enc in (pair.chosen, pair.rejected):
+    found = []
+    for enc in sides:
         start = int(keep_bos)
         ids = enc.input_ids[:start] + enc.input_ids[start + cut :]
         labels = enc.labels[:start] + enc.labels[start + cut :]
         turns = [(f, max(start, first - cut), end - cut) for f, first, end in enc.turns]
-        sides.append(Encoded(ids[:max_seq_len], labels[:max_seq_len], turns, enc.warnings))
-    return EncodedPair(*sides), True
+        found.append(Encoded(ids[:max_seq_len], labels[:max_seq_len], turns, enc.warnings))
+    return found, True
 
 
 # --- a file of pairs ------------------------------------------------------------------------------------

@@ -73,7 +73,7 @@ def data_command(recipe_path: Path, overrides: list[str], show: int = 0, jsonl: 
             f", learn_turns {d.learn_turns}, learn_reasoning {str(d.learn_reasoning).lower()}"
             if d.format == "chat"
             else f", learn_reasoning {str(d.learn_reasoning).lower()}"
-            if d.format == "preference"
+            if d.format in ("preference", "unpaired")
             else ""
         )
         + ")"
@@ -101,6 +101,8 @@ def report_text(name: str, split: Split) -> str:
     ex = split.examples
     if is_pairs(split):
         return pairs_text(name, split)
+    if is_unpaired(split):
+        return unpaired_text(name, split)
     lengths = list_lengths(ex, "input_ids")
     n_tokens = int(lengths.sum())
     n_learned = int(learned_per_example(ex, "labels").sum())
@@ -180,6 +182,34 @@ def is_pairs(split: Split) -> bool:
     return "chosen_input_ids" in split.examples.column_names
 
 
+def is_unpaired(split: Split) -> bool:
+    return "label" in split.examples.column_names
+
+
+def unpaired_text(name: str, split: Split) -> str:
+    """Examples kept, truncated, dropped; desirable and undesirable; prompt and completion tokens."""
+    from liger_cli.data.unpaired import label_note
+
+    ex = split.examples
+    dropped = sum(split.dropped.values())
+    why = "".join(f"\n    dropped, {reason}: {n}" for reason, n in split.dropped.items())
+    desirable = int(np.asarray(ex["label"], dtype=bool).sum())
+    tokens = {part: int(numbers(ex, f"{part}_length").sum()) for part in ("prompt", "completion")}
+    note = label_note(ex, _shown(split.path))
+    lines = [
+        f"{name}: {_shown(split.path)}",
+        f"  examples: {split.rows:,} rows, {len(ex):,} kept, {split.truncated:,} truncated, {dropped:,} dropped{why}",
+        f"  labels: {desirable:,} desirable (true), {len(ex) - desirable:,} undesirable (false)",
+        *([f"  warning: {note.removeprefix('data: ')}"] if note else []),
+        "  tokens (before truncation): " + ", ".join(f"{part} {n:,}" for part, n in tokens.items()),
+        _length_line("length (tokens before truncation)", numbers(ex, "length")),
+        *_histogram(numbers(ex, "length"), split.max_seq_len),
+        f"  cache: {split.cache}",
+        _tokenized_line(split),
+    ]
+    return "\n".join(lines)
+
+
 def pairs_text(name: str, split: Split) -> str:
     """Pairs kept, truncated, dropped; prompt/chosen/rejected tokens; pairs whose answers are equal."""
     ex = split.examples
@@ -239,6 +269,8 @@ def show_examples(console, split: Split, tokenizer, n: int) -> None:
             learned = [label != IGNORE_INDEX for label in labels]
             cut = f", truncated from {ex['length']}" if not side and ex["length"] > len(ids) else ""
             head = f"row {ex['row'] + 1}" + (f", {side}" if side else "")
+            if "label" in ex:
+                head += f", label {str(ex['label']).lower()}"
             console.print(
                 f"\n--- {source_path(split, k).name} {head}: {len(ids)} tokens{cut}, {sum(learned[1:])} learned ---"
             )
@@ -273,7 +305,8 @@ def _images_of(ex: dict) -> list[tuple[str, int, int]]:
 
 def write_jsonl(path: Path, splits) -> int:
     """One line per example before packing: split, row (1-based, in its file), input_ids, labels; for
-    preference pairs chosen_input_ids, chosen_labels, rejected_input_ids, rejected_labels."""
+    preference pairs chosen_input_ids, chosen_labels, rejected_input_ids, rejected_labels; for unpaired
+    completions also label, kl_input_ids and kl_labels (the prompt with its KL partner's completion)."""
     n = 0
     path = Path(path)
     try:
@@ -288,6 +321,10 @@ def write_jsonl(path: Path, splits) -> int:
             columns = [c for c in PAIR_COLUMNS if is_pairs(split)] or ["input_ids", "labels"]
             for k, ex in enumerate(split.examples):
                 record = {"split": name, "row": ex["row"] + 1} | {c: ex[c] for c in columns}
+                if is_unpaired(split):
+                    kl = split.dataset[k]
+                    record |= {"label": ex["label"], "kl_input_ids": kl["kl_input_ids"],
+                               "kl_labels": kl["kl_labels"]}  # fmt: skip
                 if split.shares:
                     record["source"] = str(source_path(split, k))
                 f.write(json.dumps(record) + "\n")

@@ -82,11 +82,9 @@ def find_target(path: Path, adapter: Path | None = None, fmt: str | None = None)
 
 
 def run_format(recipe: Recipe) -> str:
-    return (
-        "preference"
-        if recipe.training.objective in ("dpo", "simpo", "orpo", "reward")
-        else recipe.data.format
-    )
+    # the preference objectives, a reward model's pairs and kto's labelled completions render alike
+    paired = recipe.training.objective in ("dpo", "simpo", "orpo", "reward", "kto")
+    return "preference" if paired else recipe.data.format
 
 
 def chat_or_text(target: Target, tokenizer) -> str:

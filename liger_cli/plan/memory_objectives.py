@@ -7,7 +7,9 @@ from liger_cli.recipe import Recipe
 
 
 def rows_per_example(recipe: Recipe) -> int:
-    """Sequences in one forward per example: 2 for a preference pair, G completions for GRPO."""
+    """Sequences in one forward per example: 2 for a preference pair, G completions for GRPO; 2 for KTO,
+    counted as its nearest neighbour DPO (the completion with gradients, and its mismatched sequence in
+    the step's no-grad pass before it; a bound: that pass keeps no activations)."""
     objective = recipe.training.objective
     if objective == "grpo":
         return recipe.rl.num_generations if recipe.rl else 1
@@ -15,10 +17,10 @@ def rows_per_example(recipe: Recipe) -> int:
 
 
 def reference(recipe: Recipe) -> str | None:
-    """DPO's: "pass" (the adapter off, no_grad) or "table" (precomputed, full fine-tuning); GRPO's with
+    """DPO's and KTO's: "pass" (the adapter off, no_grad) or "table" (precomputed, full fine-tuning); GRPO's with
     beta > 0: "pass", or "copy" with full fine-tuning (the starting weights, stored like the parameters)."""
     full = recipe.adapter.type == "none"
-    if recipe.training.objective == "dpo":
+    if recipe.training.objective in ("dpo", "kto"):
         return "table" if full else "pass"
     if recipe.training.objective == "grpo" and recipe.rl is not None and recipe.rl.beta > 0:
         return "copy" if full else "pass"

@@ -40,7 +40,7 @@ class DataSource(_Section):
     """A local file, a local dataset folder, or a Hub dataset name."""
     weight: float = Field(1.0, gt=0)
     """train only: the source's share of the mixture's examples is weight / (sum of weights)."""
-    format: Literal["text", "instruction", "chat", "preference", "prompt"] | None = None
+    format: Literal["text", "instruction", "chat", "preference", "unpaired", "prompt"] | None = None
     """The source's own format when it differs from data.format."""
     split: str | None = None
     """A Hub dataset's (or a saved DatasetDict's) split; default train."""
@@ -67,8 +67,9 @@ class DataSection(_Section):
     """Evaluation data, read whole, each source once (no weights)."""
     eval_fraction: float | None = Field(None, gt=0, lt=1)
     """Hold out this share of data.train for evaluation, split by seed (instead of data.eval)."""
-    format: Literal["text", "instruction", "chat", "preference", "prompt"] = "text"
-    """How rows are read and what is learned: text, instruction, chat, preference (pairs) or prompt (grpo)."""
+    format: Literal["text", "instruction", "chat", "preference", "unpaired", "prompt"] = "text"
+    """How rows are read and what is learned: text, instruction, chat, preference (pairs), unpaired
+    (completions labelled true or false: kto) or prompt (grpo)."""
     max_seq_len: int = Field(1024, ge=8)
     """Longer examples are truncated (the start is kept)."""
     packing: bool = False
@@ -102,19 +103,22 @@ class DataSection(_Section):
             raise ValueError(
                 "data.learn_turns applies to format: chat only; remove it or set data.format: chat"
             )
-        if not formats & {"chat", "preference"} and not self.learn_reasoning:
+        if not formats & {"chat", "preference", "unpaired"} and not self.learn_reasoning:
             raise ValueError(
-                "data.learn_reasoning applies to formats chat and preference only; remove it or set data.format"
+                "data.learn_reasoning applies to formats chat, preference and unpaired only; remove it or set "
+                "data.format"
             )
         for which in ("train", "eval"):
             for i, entry in enumerate(self.entries(which)):
                 kinds = {
-                    f: f if f in ("preference", "prompt") else "example" for f in (entry.format, self.format)
+                    f: f if f in ("preference", "unpaired", "prompt") else "example"
+                    for f in (entry.format, self.format)
                 }
                 if entry.format is not None and kinds[entry.format] != kinds[self.format]:
                     raise ValueError(
                         f"data.{which}[{i}].format {entry.format} cannot be mixed with data.format "
-                        f"{self.format}: preference pairs, prompts and single examples train different objectives"
+                        f"{self.format}: preference pairs, unpaired completions, prompts and single examples "
+                        "train different objectives"
                     )
                 if which == "eval" and entry.weight != 1:
                     raise ValueError(
@@ -133,10 +137,10 @@ class DataSection(_Section):
         for key, why in refused.items():
             if getattr(self, key) not in (None, False):
                 raise ValueError(f"data.streaming does not support data.{key}: {why}")
-        if self.format == "preference":
+        if self.format in ("preference", "unpaired"):
             raise ValueError(
-                "data.streaming does not support format preference (reference log-probs need every pair); "
-                "set data.streaming: false"
+                f"data.streaming does not support format {self.format} (reference log-probs need every "
+                "example); set data.streaming: false"
             )
         sources = self.entries()
         if len(sources) != 1 or isinstance(self.train, list):

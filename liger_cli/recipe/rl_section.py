@@ -174,6 +174,8 @@ def check_rl(recipe) -> None:
         raise ValueError("the preference section applies to dpo, simpo and orpo; remove it")
     if recipe.reward is not None:
         raise ValueError("the reward section applies to training.objective reward; remove it")
+    if "kto" in recipe.model_fields_set:
+        raise ValueError("the kto section applies to training.objective kto; remove it")
     if recipe.data.packing or recipe.data.streaming:
         raise ValueError("data.packing and data.streaming do not apply to prompts; set them to false")
     if recipe.training.eval_samples:

@@ -22,6 +22,8 @@ from pydantic import (
 from liger_cli.recipe.base import RelPath, _Section
 from liger_cli.recipe.data_section import DataSection
 from liger_cli.recipe.distributed_section import DistributedSection, split_names
+from liger_cli.recipe.kto_section import KtoSection, check_kto
+from liger_cli.recipe.preference_section import PreferenceSection
 from liger_cli.recipe.reward_section import RewardSection, check_reward
 from liger_cli.recipe.rl_section import RLSection, check_rl
 
@@ -175,51 +177,16 @@ class TrainingSection(_Section):
     the share equal to their reference answer is logged as eval_sample_match."""
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     """Mixed precision; auto: bf16/fp16 on a GPU, fp32 on a CPU."""
-    objective: Literal["sft", "dpo", "simpo", "orpo", "reward", "grpo"] = "sft"
+    objective: Literal["sft", "dpo", "simpo", "orpo", "kto", "reward", "grpo"] = "sft"
     """sft: the causal-LM loss on the learned tokens; dpo, simpo, orpo and reward (a score head): preference
-    pairs (data.format preference); grpo: online RL on prompts (data.format prompt) with the rl section's rewards."""
+    pairs (data.format preference); kto: labelled completions (data.format unpaired); grpo: online RL on
+    prompts (data.format prompt) with the rl section's rewards."""
 
     @model_validator(mode="after")
     def _one_length(self) -> TrainingSection:
         if self.max_steps is not None and self.epochs is not None:
             raise ValueError("set only one of training.max_steps and training.epochs")
         return self
-
-
-class PreferenceSection(_Section):
-    """The preference objectives' options; each one applies to the objectives its comment names."""
-
-    beta: float = Field(0.1, gt=0)
-    """dpo, simpo: the reward scale; orpo: the weight of the odds-ratio term."""
-    loss_type: Literal["sigmoid", "ipo", "hinge", "robust"] = "sigmoid"
-    """dpo only."""
-    label_smoothing: float = Field(0.0, ge=0, lt=0.5)
-    """dpo (loss_type sigmoid or robust) and simpo: the assumed share of pairs whose labels are flipped."""
-    gamma: float = Field(0.5, ge=0)
-    """simpo only: the target reward margin."""
-    sft_weight: float = Field(0.0, ge=0)
-    """dpo, simpo: add this times the chosen answer's mean NLL (orpo always has it)."""
-
-    def applies(self, objective: str) -> dict[str, bool]:
-        """Which options the objective honours."""
-        return {
-            "loss_type": objective == "dpo",
-            "gamma": objective == "simpo",
-            "label_smoothing": objective == "simpo"
-            or (objective == "dpo" and self.loss_type in ("sigmoid", "robust")),
-            "sft_weight": objective in ("dpo", "simpo"),
-            "beta": True,
-        }
-
-    def check(self, objective: str) -> None:
-        """An option the objective cannot honour is an error, never ignored."""
-        applies = self.applies(objective)
-        for name in sorted(self.model_fields_set):
-            if not applies[name] and not (name == "label_smoothing" and self.label_smoothing == 0):
-                where = f"training.objective {objective}" + (
-                    f" with loss_type {self.loss_type}" if objective == "dpo" else ""
-                )
-                raise ValueError(f"preference.{name} does not apply to {where}; remove it")
 
 
 class KernelsSection(_Section):
@@ -300,6 +267,7 @@ class Recipe(_Section):
     logging: LoggingSection = Field(default_factory=LoggingSection)
     preference: PreferenceSection = Field(default_factory=PreferenceSection)
     reward: RewardSection | None = None
+    kto: KtoSection = Field(default_factory=KtoSection)
     rl: RLSection | None = None
 
     @model_validator(mode="after")
@@ -309,19 +277,19 @@ class Recipe(_Section):
         if objective == "grpo" or fmt == "prompt" or self.rl is not None:
             check_rl(self)
             return self
-        if objective != "sft" and fmt != "preference":
-            raise ValueError(
-                f"training.objective {objective} trains on preference pairs: set data.format: preference"
-            )
+        if objective == "kto" or fmt == "unpaired" or "kto" in self.model_fields_set:
+            check_kto(self)
+        elif objective != "sft" and fmt != "preference":
+            raise ValueError(f"training.objective {objective} trains on preference pairs: set data.format: "
+                             "preference")  # fmt: skip
         if objective == "sft" and fmt == "preference":
             raise ValueError("data.format preference needs a preference objective: set training.objective to dpo, "
                              "simpo, orpo or reward")  # fmt: skip
         check_reward(self)
         if objective == "sft" and "preference" in self.model_fields_set:
-            raise ValueError(
-                "the preference section applies to training.objective dpo, simpo or orpo; remove it"
-            )
-        if objective not in ("sft", "reward"):
+            raise ValueError("the preference section applies to training.objective dpo, simpo or orpo; "
+                             "remove it")  # fmt: skip
+        if objective not in ("sft", "kto", "reward"):
             self.preference.check(objective)
         self._quantized_needs()
         if self.training.eval_samples:
@@ -388,7 +356,9 @@ class Recipe(_Section):
         for section in ("rl", "reward"):  # optional sections, left out when not given
             if data[section] is None:
                 del data[section]
-        if self.training.objective in ("sft", "grpo", "reward"):
+        if self.training.objective != "kto":  # only kto's recipes hold it
+            del data["kto"]
+        if self.training.objective in ("sft", "grpo", "kto", "reward"):
             del data["preference"]  # sft recipes read as they always did
         else:  # the options the objective honours, resolved; the others would be refused on reload
             applies = self.preference.applies(self.training.objective)

@@ -25,9 +25,17 @@ from liger_cli.recipe.data_section import _HUB_NAME
 from liger_cli.recipe.load import validate_recipe
 from liger_cli.recipe.schema import Recipe
 
-OBJECTIVE_FORMAT = {"dpo": "preference", "simpo": "preference", "orpo": "preference", "grpo": "prompt"}
+OBJECTIVE_FORMAT = {
+    "dpo": "preference",
+    "simpo": "preference",
+    "orpo": "preference",
+    "reward": "preference",
+    "kto": "unpaired",
+    "grpo": "prompt",
+}
 FIRST_ROW_FORMAT = (("messages", "chat"), ("instruction", "instruction"), ("text", "text"))
-SKIPPED = {"preference": ("dpo", "simpo", "orpo"), "rl": ("grpo",)}  # sections only some objectives take
+# sections only some objectives take
+SKIPPED = {"preference": ("dpo", "simpo", "orpo"), "kto": ("kto",), "reward": ("reward",), "rl": ("grpo",)}
 
 
 def _choices(section: type[BaseModel], key: str) -> tuple[Any, ...]:

@@ -19,9 +19,16 @@ def evaluate(
     names: list[str] = []
     sums: torch.Tensor | None = None  # loss, then each metric, then the unit count (float64)
     shares = even_shares(len(dataset), micro_batch_size, accelerator.num_processes, accelerator.process_index)
-    for rows, real in shares:  # every rank runs the same number of forwards (FSDP needs that)
-        examples = with_filler([dataset[k] for k in rows], filler)
-        batch = {k: v.to(device) for k, v in objective.collate(examples, pad_id).items()}
+
+    def batches():  # collated as they are used, never all at once
+        for rows, _ in shares:
+            yield objective.collate(with_filler([dataset[k] for k in rows], filler), pad_id)
+
+    if hasattr(objective, "begin_step"):  # kto: z0 of the whole eval set, as a step's is of the step
+        reduce = lambda t: accelerator.reduce(t, "sum")  # noqa: E731
+        objective.begin_step(model, batches(), device, reduce, [real for _, real in shares])
+    for (_, real), batch in zip(shares, batches(), strict=True):  # every rank runs the same forwards (FSDP)
+        batch = {k: v.to(device) for k, v in batch.items()}
         loss, stats = objective.loss(model, batch, torch.ones((), device=device))  # sums over its units
         names = list(stats)
         values = torch.stack(

@@ -50,10 +50,11 @@ def precompute_for(
     fingerprint: dict,
     say: Callable[[str], object],
     resume_from: Path | None,
+    unit: str = "pair",
 ):
     """The `precompute` an objective's `prepare` calls: computes (fresh run) or reads (resume) the
     table, gives every example its row, and returns the table on the run's device. `model` is the
-    prepared one (as the backend wrapped it); `collate` the objective's."""
+    prepared one (as the backend wrapped it); `collate` the objective's; `unit` what its examples are."""
 
     def precompute(values) -> torch.Tensor:
         accelerator = backend.accelerator
@@ -61,7 +62,7 @@ def precompute_for(
         splits = {name: dataset for name, dataset in splits.items() if dataset is not None}
         depends = {field: fingerprint[field] for field in DEPENDS_ON}
         depends |= {f"pairs.{name}": len(dataset) for name, dataset in splits.items()}
-        counts = f"{len(data.train)} train / {len(data.eval) if data.eval is not None else 0} eval pairs"
+        counts = f"{len(data.train)} train / {len(data.eval) if data.eval is not None else 0} eval {unit}s"
         out = recipe.output.dir / REFERENCE_FILE
         if resume_from is None:
             start = time.perf_counter()

@@ -99,8 +99,9 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
     record_plan(recipe, plan, Applied(kernels_patched=kernel_report), accelerator.is_main_process, say)
     describe(model, data, say)
     trainer = prepare(recipe, backend, model, data, say, run_fingerprint, memory, objective)
+    collate, unit = objective.collate, getattr(objective, "unit", "pair")  # unit: what the log calls them
     reference = precompute_for(
-        recipe, backend, trainer.model, data, objective.collate, run_fingerprint, say, output.resume_from
+        recipe, backend, trainer.model, data, collate, run_fingerprint, say, output.resume_from, unit
     )
     objective.prepare(reference)  # before any weight changes
     if getattr(objective, "online", False):
@@ -287,6 +288,8 @@ def fit(trainer: Trainer) -> dict[str, float]:
                 objective.collate(data.examples(step * t.grad_accum + a), pad_id) for a in range(t.grad_accum)
             ]
         num_items = accelerator.reduce(sum(objective.units(b) for b in micro).to(device), "sum").clamp(min=1)
+        if hasattr(objective, "begin_step"):  # kto: what the step's whole global batch decides (z0)
+            objective.begin_step(model, micro, device, lambda t: accelerator.reduce(t, "sum"))
         step_sums = None  # the step's loss, then each of the objective's metrics (means over its units)
         for a, batch in enumerate(micro):
             last_micro = a == len(micro) - 1

@@ -221,6 +221,7 @@ def check_kernels(
         TinyModelError,
         tiny_batch,
         tiny_pairs,
+        tiny_unpaired,
         twin_builder,
         twin_session,
         twin_vocab,
@@ -242,9 +243,10 @@ def check_kernels(
             if hasattr(objective, "twin_batch"):  # online RL: its loss on rollout rows
                 rollout = objective.twin_batch(*twin_vocab(probe))
                 loss_of = lambda model: objective.loss(model, rollout, objective.units(rollout))[0]  # noqa: E731
-            elif getattr(objective, "unit", None) == "pair":
-                pairs = objective.collate(tiny_pairs(probe), twin_vocab(probe)[1])
-                loss_of = lambda model: objective.loss(model, pairs, objective.units(pairs))[0]  # noqa: E731
+            elif getattr(objective, "unit", None) in ("pair", "completion"):
+                examples = tiny_pairs(probe) if objective.unit == "pair" else tiny_unpaired(probe)
+                pairs = objective.collate(examples, twin_vocab(probe)[1])
+                loss_of = lambda model: step_losses(model, objective, [pairs])[0]  # noqa: E731
             wrong, crashed, report = compare_kernels(build, batch, requested, loss_of)
     except TinyModelError as err:
         return _not_run(requested, f"no tiny twin: {err}", vision, start)
@@ -279,4 +281,13 @@ def _first(err: BaseException) -> str:
 def _loss_name(objective) -> str:
     if hasattr(objective, "twin_batch"):
         return f"the grpo loss ({objective.rl.loss}) on rollouts"
-    return f"the {objective.objective} loss on pairs"
+    return f"the {objective.objective} loss on {objective.unit}s"
+
+
+def step_losses(model: nn.Module, objective, batches: list[dict]) -> list[torch.Tensor]:
+    """Each batch's loss by the objective, as `fit` takes them for one step of these micro-batches
+    (the step's `begin_step` first, where the objective has one; one process, on the CPU)."""
+    num_items = sum(objective.units(b) for b in batches)
+    if hasattr(objective, "begin_step"):
+        objective.begin_step(model, batches, torch.device("cpu"), lambda t: t)
+    return [objective.loss(model, batch, num_items)[0] for batch in batches]

@@ -153,6 +153,7 @@ def _accumulation_verdict(model: nn.Module, name: str, grad_accum: int, processe
         what = {
             "label token": "uneven label counts",
             "pair": f"{getattr(objective, 'objective', '')} loss on pairs",
+            "completion": f"{getattr(objective, 'objective', '')} loss on labelled completions",
         }.get(objective.unit, f"grpo loss on {objective.unit}s")
         return Verdict(f"{ACCUMULATION_HEAD} (padding, {what}): loss and every gradient agree")
     if grad_accum == 1 and processes == 1:
@@ -172,7 +173,7 @@ def _accumulation_verdict(model: nn.Module, name: str, grad_accum: int, processe
 def accumulation_disagreement(model: nn.Module, objective=None) -> str | None:
     """Why one micro-batch of 4 and four micro-batches of 1 differ (the units, the loss, a gradient),
     by the objective's own collation, unit count and loss."""
-    from liger_cli.twin.tiny import tiny_pairs, twin_vocab
+    from liger_cli.twin.tiny import tiny_pairs, tiny_unpaired, twin_vocab
 
     objective = objective or rule.CausalLM()
     vocab, pad = twin_vocab(model)
@@ -182,6 +183,8 @@ def accumulation_disagreement(model: nn.Module, objective=None) -> str | None:
     else:
         pairs = objective.unit == "pair"
         examples = tiny_pairs(model) if pairs else _examples(ACCUMULATION_EXAMPLES, vocab)
+        if objective.unit == "completion":  # kto: labelled completions with their KL sequences
+            examples = tiny_unpaired(model)
         whole, micro = objective.collate(examples, pad), [objective.collate([e], pad) for e in examples]
     num_items = objective.units(whole)
     if int(num_items) != int(sum(objective.units(b) for b in micro)):
@@ -237,6 +240,8 @@ def _accumulate(
     Each loss is the objective's (divided by `num_items`), or with None the causal-LM sum (`_summed`)."""
     model.zero_grad(set_to_none=True)
     losses = []
+    if num_items is not None and hasattr(objective, "begin_step"):  # what the whole step decides (kto)
+        objective.begin_step(model, batches, torch.device("cpu"), lambda t: t)
     for batch in batches:
         loss = (
             _summed(model, batch)

@@ -181,6 +181,22 @@ def tiny_pairs(
     return pairs
 
 
+def tiny_unpaired(config_or_model, seed: int = 0) -> list[dict]:
+    """Unpaired completions as the data stage makes them (KTO): the first two of `tiny_pairs`' pairs as
+    four rows, each chosen answer labelled true and each rejected one false, with their KL sequences."""
+    from liger_cli.data.unpaired import kl_sequences
+
+    rows = [
+        {"input_ids": pair[f"{side}_input_ids"], "labels": pair[f"{side}_labels"], "label": side == "chosen"}
+        for pair in tiny_pairs(config_or_model, seed)[:2]
+        for side in ("chosen", "rejected")
+    ]
+    ids, labels = [row["input_ids"] for row in rows], [row["labels"] for row in rows]
+    for row, kl in zip(rows, kl_sequences(ids, labels, seed, 64, None), strict=True):
+        row |= {"kl_input_ids": kl.input_ids, "kl_labels": kl.labels}
+    return rows
+
+
 # --- what every twin check shares -------------------------------------------------------------------------
 def twin_builder(
     config,
