@@ -216,6 +216,10 @@ def run_cases(spec: dict) -> None:
     each check as CHECKS says."""
     hide = not quantizes(spec)
     for case in spec["cases"]:
+        # As in a fresh `liger train` process: nothing registered by the case before, on every rank alike
+        # (a finished ZeRO-3 run's config stays registered until its engine is collected, which need not
+        # happen on both ranks at once, and the next Plan would build its meta model under ZeRO-3's init).
+        process_state.reset_for_new_run()
         if "check" in case:
             run_check(case["check"], case["recipe"])
             continue
@@ -255,12 +259,9 @@ CHECKS = {"field_failure_1": (field_failure_1, ".ff1.txt"), "zero3_load": (zero3
 
 
 def run_check(name: str, recipe_path: str) -> None:
-    """One check on its recipe; rank 0 writes the result beside the recipe. The check builds its backend
-    as a run does, but no run ends it: what it registered (ZeRO-3's config, which would build the next
-    case's model under ZeRO-3's init) is cleared, as a run's own start would."""
+    """One check on its recipe; rank 0 writes the result beside the recipe."""
     check, suffix = CHECKS[name]
     result = check(recipe_path)
-    process_state.reset_for_new_run()
     if os.environ.get("RANK", "0") == "0":
         text = result if isinstance(result, str) else json.dumps(result)
         Path(recipe_path).with_suffix(suffix).write_text(text)
