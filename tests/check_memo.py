@@ -1,6 +1,6 @@
 """The Plan's twin checks computed once per distinct input, for a process that runs many recipes.
 
-A driver (tests/dist_driver.py, tests/generation_driver.py, test_train.liger_in_one_process) runs
+A driver (tests/dist_driver.py, test_train.liger_in_one_process) runs
 several recipes in one process; most differ only in what the twin checks never read (the output
 folder, the data, the backend, the number of steps), yet each ran the kernel check (three tiny
 twins built, two steps and two greedy generations when every kernel agrees) and the pipeline check

@@ -71,9 +71,75 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return min(2, cores)
 
 
+# The files whose 2-process runs share ONE launch of tests/dist_driver.py (each launch costs ~20 CPU s of
+# imports and process-group set-up in every process): each defines `launch_part(root) -> (cases,
+# found)`, and its tests read `found` from the `two_process_launch` fixture below. The scheduler below
+# keeps them on one worker, so the launch runs once.
+TWO_PROCESS_FILES = (  # in the launch's order (test_memory_plan's case first: it measures memory)
+    "test_memory_plan", "test_distributed", "test_grpo_backends", "test_qlora", "test_generate_backends", "test_vlm_distributed",
+    "test_deepspeed",
+)  # fmt: skip
+LAUNCH_TIMEOUT = 2400
+
+
+def work_unit(path: Path) -> str:
+    """What one worker runs whole: a test file, or all of TWO_PROCESS_FILES together."""
+    return "two-process files" if path.stem in TWO_PROCESS_FILES else path.name
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile`, with TWO_PROCESS_FILES one unit. (xdist's `loadgroup` would say the same with
+    marks, but its way of naming a group, editing each test's node id, does nothing under pytest 9.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FilesAndTheLaunch(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(Path(nodeid.split("::", 1)[0]))
+
+    return FilesAndTheLaunch(config, log)
+
+
 def pytest_collection_modifyitems(items) -> None:
-    """Slowest files first (a stable sort: each file's tests keep their order)."""
-    items.sort(key=lambda item: -SLOW_FILES.get(item.path.name, 0))
+    """The slowest work units first (a stable sort: each file's tests keep their order); a test that
+    needs the shared launch may wait for all of it."""
+    weight: dict[str, int] = {}
+    for name in {item.path.name for item in items}:
+        unit = work_unit(Path(name))
+        weight[unit] = weight.get(unit, 0) + SLOW_FILES.get(name, 0)
+    for item in items:
+        if "two_process_launch" in item.fixturenames:
+            item.add_marker(pytest.mark.timeout(LAUNCH_TIMEOUT + 600), append=False)
+    items.sort(key=lambda item: (-weight[work_unit(item.path)], work_unit(item.path)))
+
+
+@pytest.fixture(scope="session")
+def two_process_launch(tmp_path_factory) -> dict[str, object]:
+    """Every TWO_PROCESS_FILES file's cases in ONE 2-process launch, DeepSpeed's last (it keeps
+    process-wide state: nothing runs after it); accelerate's state is reset between runs. Returns what
+    each file's `launch_part` said its tests read, by file, and under "stdout" what the launch printed."""
+    import importlib
+    import importlib.util
+
+    import yaml
+    from test_distributed import run_driver
+
+    root = tmp_path_factory.mktemp("two-processes")
+    cases, found = [], {}
+    for name in TWO_PROCESS_FILES:
+        if name == "test_deepspeed" and importlib.util.find_spec("deepspeed") is None:
+            continue  # its tests skip (scripts/setup.sh installs DeepSpeed)
+        part, found[name] = importlib.import_module(name).launch_part(root / name)
+        cases += part
+
+    def order(case: dict) -> tuple[bool, bool]:  # DeepSpeed's checks after its runs: no run ends a check
+        deepspeed = yaml.safe_load(Path(case["recipe"]).read_text())["distributed"]["backend"] == "deepspeed"
+        return deepspeed, deepspeed and "check" in case
+
+    cases.sort(key=order)
+    found["stdout"] = run_driver({"cases": cases}, root, nproc=2, timeout=LAUNCH_TIMEOUT).stdout
+    return found
 
 
 QUICKSTART_MODEL = REPO / "recipes" / "quickstart" / "model"

@@ -1,16 +1,20 @@
 """Run several recipes in ONE set of processes (one process group), for the distributed tests.
 
-Started once per backend by torchrun (or plainly, for the 1-process references): a 2-process
-launch costs 10-20 s of imports, so the cases of a backend share it. Usage:
+Started by torchrun once for the whole suite (tests/conftest.py `two_process_launch`: every file that
+compares backends with 1 process adds its cases), or plainly, in the test worker, for the 1-process
+references (test_distributed.run_here): a 2-process launch costs 10-20 s of imports, so every case
+shares one. Usage:
     python -m torch.distributed.run --nproc_per_node 2 tests/dist_driver.py SPEC.json
-SPEC: {"cases": [{"recipe": PATH, "env": {NAME: VALUE}, "uint8_storage": bool, "expect_error": bool}], "field_failure_1":
-RECIPE_PATH or null, "zero3_load": RECIPE_PATH or null, "generation": RECIPE_PATH or null}. `uint8_storage` loads a QLoRA base the way
-other launchers do under a sharding backend (uint8 storage: the 4-bit weights stay whole on every rank).
+SPEC: {"cases": [CASE, ...]}, run in order. A training case is {"recipe": PATH, "env": {NAME: VALUE},
+"uint8_storage": bool, "expect_error": bool}; a check is {"check": NAME, "recipe": PATH} with NAME one
+of CHECKS (field_failure_1, zero3_load, generation), its result written beside its recipe by rank 0.
+`uint8_storage` loads a QLoRA base the way other launchers do under a sharding backend (uint8 storage:
+the 4-bit weights stay whole on every rank).
 Each case trains through `liger_cli.run.train.run`, exactly as `liger train` does in each rank, and
 writes `checks.json` beside its metrics: whether embedding and lm_head are still one parameter, and
 how many elements of lm_head.weight this rank holds outside any forward (0 when ZeRO-3 partitions it).
 Rank 0's output of each case is also written to RECIPE.stdout (beside the recipe), so a launch that
-runs several backends' cases can be checked case by case. A case with `"expect_error": true` must
+runs many files' cases can be checked case by case. A case with `"expect_error": true` must
 stop with a RunFailed: its message goes to RECIPE.error.txt and the next case runs.
 As in a `liger train` rank, bitsandbytes is hidden when no recipe of the spec quantizes its model, and
 DeepSpeed when none runs the deepspeed backend.
@@ -194,9 +198,7 @@ def case_log(recipe_path: str):
 
 def _recipes(spec: dict) -> list[dict]:
     """Every recipe of the spec, read plainly (a resume's checkpoint does not exist yet when it starts)."""
-    paths = [case["recipe"] for case in spec["cases"]]
-    paths += [spec[key] for key in ("field_failure_1", "zero3_load", "generation") if spec.get(key)]
-    return [yaml.safe_load(Path(p).read_text()) for p in paths]
+    return [yaml.safe_load(Path(case["recipe"]).read_text()) for case in spec["cases"]]
 
 
 def quantizes(spec: dict) -> bool:
@@ -210,9 +212,17 @@ def uses_deepspeed(spec: dict) -> bool:
 
 
 def run_cases(spec: dict) -> None:
-    """The spec's cases, one after the other, each as `liger train` trains in a rank."""
+    """The spec's cases, one after the other: each training case as `liger train` trains in a rank,
+    each check as CHECKS says."""
     hide = not quantizes(spec)
     for case in spec["cases"]:
+        # As in a fresh `liger train` process: nothing registered by the case before, on every rank alike
+        # (a finished ZeRO-3 run's config stays registered until its engine is collected, which need not
+        # happen on both ranks at once, and the next Plan would build its meta model under ZeRO-3's init).
+        process_state.reset_for_new_run()
+        if "check" in case:
+            run_check(case["check"], case["recipe"])
+            continue
         saved = {name: os.environ.get(name) for name in case.get("env", {})}
         os.environ.update(case.get("env", {}))
         recipe = load_recipe(case["recipe"])
@@ -243,6 +253,21 @@ def run_cases(spec: dict) -> None:
                         os.environ[name] = value
 
 
+CHECKS = {"field_failure_1": (field_failure_1, ".ff1.txt"), "zero3_load": (zero3_load, ".zero3.json"),
+          "generation": (generation_gathers, ".generation.json")}  # fmt: skip
+"""A check's name -> (what it runs on its recipe, the suffix of the file its result goes to)."""
+
+
+def run_check(name: str, recipe_path: str) -> None:
+    """One check on its recipe; rank 0 writes the result beside the recipe."""
+    check, suffix = CHECKS[name]
+    result = check(recipe_path)
+    if os.environ.get("RANK", "0") == "0":
+        text = result if isinstance(result, str) else json.dumps(result)
+        Path(recipe_path).with_suffix(suffix).write_text(text)
+    sys.stdout.flush()
+
+
 @contextlib.contextmanager
 def checks_recorded():
     """`train.save_final` records checks.json first (see the module docstring), until the block ends."""
@@ -254,21 +279,16 @@ def checks_recorded():
 
 
 def run_spec(spec: dict) -> None:
-    """The spec's cases, then its extra checks, each written beside its recipe by rank 0."""
+    """The spec's cases and checks in order, checks.json recorded for each training case."""
     with checks_recorded():
         run_cases(spec)
-    extras = {"field_failure_1": (field_failure_1, ".ff1.txt"), "zero3_load": (zero3_load, ".zero3.json"),
-              "generation": (generation_gathers, ".generation.json")}  # fmt: skip
-    for key, (check, suffix) in extras.items():
-        if spec.get(key):
-            result = check(spec[key])
-            if os.environ.get("RANK", "0") == "0":
-                text = result if isinstance(result, str) else json.dumps(result)
-                Path(spec[key]).with_suffix(suffix).write_text(text)
 
 
 def main() -> None:
+    from liger_cli.launch.start import _return_freed_memory_to_the_os
+
     spec = json.loads(Path(sys.argv[1]).read_text())
+    _return_freed_memory_to_the_os()  # as every `liger train` process on a CPU does
     if not uses_deepspeed(spec):  # as `liger train` does for a backend other than deepspeed
         process_state.hide_deepspeed_unless_used("none")
     memoize_twin_checks()  # the cases share the twin checks of equal inputs (tests/check_memo.py)

@@ -4,8 +4,9 @@ DeepSpeed must train the model a 1-process run trains: LoRA and full fine-tuning
 (ZeRO-3, with and without activation checkpointing; ZeRO-2) give the same per-step losses and
 gradient norms (fp32, 1e-5) and the same saved weights; under ZeRO-3 the model is loaded
 partitioned through transformers' own path with the saved weights; a checkpoint resumes in a fresh
-`liger train` launch. One 2-process driver launch holds the training cases and the loading check
-(each launch costs 15-20 s of imports); no DeepSpeed op may be compiled at run time.
+`liger train` launch. The training cases and the loading check are this file's part of the suite's
+ONE 2-process launch (tests/conftest.py `two_process_launch`: each launch costs 15-20 s of imports);
+no DeepSpeed op may be compiled at run time.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from test_distributed import (  # noqa: F401 - `assets` is a fixture
     free_port,
     liger_train,
     losses,
-    run_driver,
     run_here,
     write_recipe,
 )
@@ -39,29 +39,22 @@ CASES = {  # name -> (adapter type, activation checkpointing, ZeRO stage); each 
 }
 
 
-@pytest.fixture(scope="module")
-def runs(assets, tmp_path_factory) -> dict[str, Path]:  # noqa: F811 - the imported fixture
-    """1-process references, then ONE 2-process DeepSpeed launch: the CASES, then the loading check."""
-    root = tmp_path_factory.mktemp("deepspeed")
-    outs = {
-        name: root / name
-        for name in ("ref-lora", "ref-full", "one-process", "ref-dpo-full", "dpo-full", *CASES)
-    }
-    refs = [write_recipe(assets, outs["ref-lora"]), write_recipe(assets, outs["ref-full"], adapter="none")]
-    # backend deepspeed with ONE process on a CPU: no engine, a plain run that must equal the reference.
-    refs.append(write_recipe(assets, outs["one-process"], "deepspeed", adapter="none", training__grad_accum=4,
-                             distributed__num_processes=1))  # fmt: skip
-    refs.append(write_recipe(assets, outs["ref-dpo-full"], **dpo_full(assets)))
-    run_here({"cases": [{"recipe": str(r)} for r in refs]})  # in this process: what each printed, below
-    (root / "driver-1.stdout").write_text("".join(r.with_suffix(".stdout").read_text() for r in refs))
+def launch_part(root: Path) -> tuple[list[dict], dict]:
+    """This file's cases of the shared 2-process launch (tests/conftest.py `two_process_launch`): the
+    CASES, DPO with full fine-tuning, then the loading check. Returns the outputs, the LoRA case's
+    recipe (resumed below), the loading check's result file and the recipes (each one's rank-0 output
+    is written beside it)."""
+    from test_distributed import make_assets
 
+    files = make_assets(root / "files")
+    outs = {name: root / name for name in ("dpo-full", *CASES)}
     recipes = {
-        name: write_recipe(assets, outs[name], "deepspeed", adapter, ac, distributed__zero_stage=stage)
+        name: write_recipe(files, outs[name], "deepspeed", adapter, ac, distributed__zero_stage=stage)
         for name, (adapter, ac, stage) in CASES.items()
     }
-    recipes["lora"] = write_recipe(assets, outs["lora"], "deepspeed", output__save_every=2)  # resumed below
+    recipes["lora"] = write_recipe(files, outs["lora"], "deepspeed", output__save_every=2)  # resumed below
     # DPO without an adapter: both ranks compute the reference log-probs through ZeRO-3's collective forwards.
-    recipes["dpo-full"] = write_recipe(assets, outs["dpo-full"], "deepspeed", **dpo_full(assets))
+    recipes["dpo-full"] = write_recipe(files, outs["dpo-full"], "deepspeed", **dpo_full(files))
     # DeepSpeed would compile a CPU communication op here on first use (~95 s): it must not build anything.
     cases = [
         {"recipe": str(r), "env": {"TORCH_EXTENSIONS_DIR": str(root / "torch_extensions")}}
@@ -69,11 +62,39 @@ def runs(assets, tmp_path_factory) -> dict[str, Path]:  # noqa: F811 - the impor
     ]
     # A loading argument with a visible effect: every one must reach from_pretrained (docs/field-failures.md#zero-3-loading-drops-an-argument).
     load = write_recipe(
-        assets, root / "load", "deepspeed", adapter="none", model__load_kwargs={"rms_norm_eps": 1e-3}
+        files, root / "load", "deepspeed", adapter="none", model__load_kwargs={"rms_norm_eps": 1e-3}
     )
-    proc = run_driver({"cases": cases, "zero3_load": str(load)}, root, nproc=2, timeout=600)
-    (root / "driver.stdout").write_text(proc.stdout)
-    return outs | {"root": root, "lora-recipe": recipes["lora"], "load": root / "load.zero3.json"}
+    cases.append({"check": "zero3_load", "recipe": str(load)})
+    found = {"outs": outs, "lora-recipe": recipes["lora"], "load": root / "load.zero3.json",
+             "recipes": list(recipes.values()), "root": root}  # fmt: skip
+    return cases, found
+
+
+@pytest.fixture(scope="module")
+def runs(assets, two_process_launch, tmp_path_factory) -> dict[str, Path]:  # noqa: F811 - the imported fixture
+    """1-process references (in this worker: what each printed is read below), and the 2-process cases
+    of the shared launch, with what rank 0 printed for them and what the whole launch printed."""
+    root = tmp_path_factory.mktemp("deepspeed")
+    outs = {name: root / name for name in ("ref-lora", "ref-full", "one-process", "ref-dpo-full")}
+    refs = [write_recipe(assets, outs["ref-lora"]), write_recipe(assets, outs["ref-full"], adapter="none")]
+    # backend deepspeed with ONE process on a CPU: no engine, a plain run that must equal the reference.
+    refs.append(write_recipe(assets, outs["one-process"], "deepspeed", adapter="none", training__grad_accum=4,
+                             distributed__num_processes=1))  # fmt: skip
+    refs.append(write_recipe(assets, outs["ref-dpo-full"], **dpo_full(assets)))
+    run_here({"cases": [{"recipe": str(r)} for r in refs]})
+    two = two_process_launch["test_deepspeed"]
+    return (
+        outs
+        | two["outs"]
+        | {
+            "one-process-stdout": "".join(r.with_suffix(".stdout").read_text() for r in refs),
+            "stdout": "".join(r.with_suffix(".stdout").read_text() for r in two["recipes"]),
+            "launch-stdout": two_process_launch["stdout"],
+            "torch_extensions": two["root"] / "torch_extensions",
+            "lora-recipe": two["lora-recipe"],
+            "load": two["load"],
+        }
+    )
 
 
 def grad_norms(out: Path) -> list[float]:
@@ -82,7 +103,7 @@ def grad_norms(out: Path) -> list[float]:
 
 
 def test_deepspeed_with_one_cpu_process_trains_plainly(runs) -> None:
-    assert "sharding: single process" in (runs["root"] / "driver-1.stdout").read_text()
+    assert "sharding: single process" in runs["one-process-stdout"]
     assert losses(runs["one-process"]) == pytest.approx(losses(runs["ref-full"]), abs=1e-5, rel=0)
     assert grad_norms(runs["one-process"]) == pytest.approx(grad_norms(runs["ref-full"]), rel=1e-5)
 
@@ -107,8 +128,8 @@ def test_deepspeed_trains_the_one_process_model(name: str, runs) -> None:
     assert "fused_linear_cross_entropy: patched" in plan
     if ac == "auto":
         assert "activation ckpt     reentrant" in plan
-    stdout = (runs["root"] / "driver.stdout").read_text()
-    assert not (runs["root"] / "torch_extensions").exists() and "built successfully" not in stdout
+    stdout = runs["stdout"]  # rank 0's output of this file's cases; the launch's whole output below
+    assert not runs["torch_extensions"].exists() and "built successfully" not in runs["launch-stdout"]
     sharding = [line for line in stdout.splitlines() if line.startswith("sharding:")]
     assert len(sharding) == len(CASES) + 1  # and dpo-full
     verified = [line for line in stdout.splitlines() if line.startswith("final model verified")]
@@ -134,7 +155,7 @@ def test_zero3_precomputes_the_dpo_reference_of_the_one_process_run(runs) -> Non
     assert got.keys() == want.keys() == {"train", "eval"}
     for split in got:  # 17 and 3 micro-batches over 2 ranks: the second pads its last share
         torch.testing.assert_close(got[split], want[split], atol=1e-5, rtol=1e-6, msg=split)
-    stdout = (runs["root"] / "driver.stdout").read_text()
+    stdout = runs["stdout"]
     assert "under deepspeed; stored in" in stdout and "start check: step 1 has policy == reference" in stdout
 
 

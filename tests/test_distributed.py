@@ -2,8 +2,9 @@
 
 Every backend must train the same model a 1-process run trains: per-step losses equal the
 1-process run with the same global batch (fp32, within 1e-5), and the saved outputs load. The
-cases of DDP, FSDP-1 and FSDP-2 share one 2-process launch (tests/dist_driver.py), since each
-launch costs 10-20 s of imports; every multi-process call has a timeout.
+cases of DDP, FSDP-1 and FSDP-2 are this file's part of the suite's ONE 2-process launch
+(tests/conftest.py `two_process_launch`, tests/dist_driver.py), since each launch costs 10-20 s of
+imports; every multi-process call has a timeout.
 """
 
 from __future__ import annotations
@@ -50,9 +51,14 @@ def child_env(**extra: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> dict[str, Path]:
+    return make_assets(tmp_path_factory.mktemp("dist-assets"))
+
+
+def make_assets(root: Path) -> dict[str, Path]:
+    """The tiny Llama (and its tied twin), instruction rows and preference pairs, under `root`."""
     from conftest import save_tiny_model
 
-    root = tmp_path_factory.mktemp("dist-assets")
+    root.mkdir(parents=True, exist_ok=True)
     data = root / "train.jsonl"
     data.write_text("".join(QUICK_TRAIN.read_text().splitlines(keepends=True)[:64]))
     return {
@@ -250,24 +256,29 @@ def backend_cases(assets: dict, folder: Path, backend: str) -> tuple[list[dict],
     return cases, outs, resumed
 
 
-@pytest.fixture(scope="module")
-def backend_runs(assets, tmp_path_factory) -> dict[str, dict]:
-    """Every backend's cases in ONE 2-process launch (a launch costs 10-20 s of imports per process;
-    accelerate's state is reset between runs, as between the cases of one backend), then FSDP-1's
-    field failure. Per backend: its outputs, its resumed run, and rank 0's output of its cases."""
-    root = tmp_path_factory.mktemp("backends")
-    spec: dict = {"cases": []}
-    runs = {}
+def launch_part(root: Path) -> tuple[list[dict], dict]:
+    """This file's cases of the shared 2-process launch (tests/conftest.py `two_process_launch`): every
+    backend's cases, then FSDP-1's field failure. Per backend: its outputs, its resumed run, its recipes
+    (rank 0 wrote each one's output beside it) and its folder."""
+    assets = make_assets(root / "assets")
+    cases, runs = [], {}
     for backend in BACKENDS:
         folder = root / backend
         folder.mkdir()
-        cases, outs, resumed = backend_cases(assets, folder, backend)
-        spec["cases"] += cases
-        runs[backend] = {"outs": outs, "resumed": resumed, "recipes": [Path(c["recipe"]) for c in cases],
+        backend_part, outs, resumed = backend_cases(assets, folder, backend)
+        cases += backend_part
+        runs[backend] = {"outs": outs, "resumed": resumed, "recipes": [Path(c["recipe"]) for c in backend_part],
                          "folder": folder}  # fmt: skip
-    spec["field_failure_1"] = str(write_recipe(assets, root / "fsdp1" / "ff1", "fsdp1", "none"))
-    run_driver(spec, root, nproc=2, timeout=900)
-    for run in runs.values():  # what the driver printed for this backend's cases (rank 0)
+    ff1 = write_recipe(assets, root / "fsdp1" / "ff1", "fsdp1", "none")
+    cases.append({"check": "field_failure_1", "recipe": str(ff1)})
+    return cases, runs
+
+
+@pytest.fixture(scope="module")
+def backend_runs(two_process_launch) -> dict[str, dict]:
+    """Every backend's runs in the shared launch, with what rank 0 printed for each backend's cases."""
+    runs = two_process_launch["test_distributed"]
+    for run in runs.values():
         run["stdout"] = "".join(recipe.with_suffix(".stdout").read_text() for recipe in run["recipes"])
     return runs
 

@@ -6,16 +6,15 @@ changes training; the engine called through `Backend.generation` makes as many a
 tokens as for 2 (parameters gathered once per call, not per token), samples what 1 process samples,
 and the model trains on afterwards.
 
-The four backends share ONE 2-process launch (tests/generation_driver.py: each backend's recipes, then its
-generation check; ZeRO-3 last), and each backend's test reads its part of it.
+The four backends' runs and generation checks are this file's part of the suite's ONE 2-process launch
+(tests/conftest.py `two_process_launch`: each backend's recipes, then its generation check; ZeRO-3
+last), and each backend's test reads its part of it.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,9 +22,8 @@ from test_distributed import (  # noqa: F401 - `assets` is a fixture
     STEPS,
     assert_same_run,
     assets,
-    child_env,
-    free_port,
     losses,
+    make_assets,
     run_here,
     write_recipe,
 )
@@ -33,7 +31,6 @@ from test_distributed import (  # noqa: F401 - `assets` is a fixture
 from liger_cli.run.samples import SAMPLES_FILE
 
 QUICK_EVAL = Path(__file__).resolve().parents[1] / "recipes" / "quickstart" / "data" / "eval.jsonl"
-GENERATION_DRIVER = Path(__file__).resolve().parent / "generation_driver.py"
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 BACKENDS = {  # name -> (backend, extra recipe keys)
     "ddp": ("ddp", {}),
@@ -49,18 +46,27 @@ def sampled(paths: dict, out: Path, backend: str = "none", adapter: str = "lora"
                         training__eval_samples=3, **over)  # fmt: skip
 
 
+def eval_rows(root: Path) -> Path:
+    """6 eval rows of the quickstart (3 samples a evaluation: the second rank pads its share)."""
+    eval_file = root / "gen-eval.jsonl"
+    eval_file.write_text("".join(QUICK_EVAL.read_text().splitlines(keepends=True)[:6]))
+    return eval_file
+
+
 @pytest.fixture(scope="module")
 def reference(assets) -> dict:  # noqa: F811
-    eval_file = assets["root"] / "gen-eval.jsonl"
-    eval_file.write_text("".join(QUICK_EVAL.read_text().splitlines(keepends=True)[:6]))
-    assets["eval"] = eval_file
+    assets["eval"] = eval_rows(assets["root"])
     root = assets["root"] / "gen-ref"
     root.mkdir()
     outs = {"lora": root / "lora", "full": root / "full"}
     recipes = [sampled(assets, outs["lora"]), sampled(assets, outs["full"], adapter="none")]
     generation = write_recipe(assets, root / "gen", adapter="none")
-    spec = {"cases": [{"recipe": str(r)} for r in recipes], "generation": str(generation)}
-    run_here(spec)
+    run_here(
+        {
+            "cases": [{"recipe": str(r)} for r in recipes]
+            + [{"check": "generation", "recipe": str(generation)}]
+        }
+    )
     return {**outs, "generation": json.loads(generation.with_suffix(".generation.json").read_text())}
 
 
@@ -68,36 +74,39 @@ def samples(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / SAMPLES_FILE).read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
-def launched(assets, reference, tmp_path_factory) -> dict:  # noqa: F811
-    """Each backend's LoRA and full runs with samples, and its generation recipe, in one 2-process
-    launch (DeepSpeed's ZeRO-3 last, where it is installed); per backend: its outputs and its stdout."""
-    root = tmp_path_factory.mktemp("gen-backends")
-    names = [name for name in BACKENDS if name != "zero3" or HAS_DEEPSPEED]
-    found, spec = {}, {"backends": []}
-    for name in names:
+def launch_part(root: Path) -> tuple[list[dict], dict]:
+    """This file's cases of the shared 2-process launch (tests/conftest.py `two_process_launch`): each
+    backend's LoRA and full runs with samples, then its generation check (DeepSpeed's ZeRO-3, where it
+    is installed, last with every DeepSpeed case). Per backend: its outputs, its generation result file
+    and its recipes (rank 0's output of each is written beside it)."""
+    files = make_assets(root / "files")
+    files["eval"] = eval_rows(files["root"])
+    found, cases = {}, []
+    for name in (name for name in BACKENDS if name != "zero3" or HAS_DEEPSPEED):
         backend, over = BACKENDS[name]
         folder = root / name
         folder.mkdir()
         outs = {"lora": folder / "lora", "full": folder / "full"}
-        cases = [
-            sampled(assets, outs["lora"], backend, **over),
-            sampled(assets, outs["full"], backend, "none", **over),
+        recipes = [
+            sampled(files, outs["lora"], backend, **over),
+            sampled(files, outs["full"], backend, "none", **over),
         ]
-        generation = write_recipe(assets, folder / "gen", backend, "none", **over)
-        spec["backends"].append(
-            {"name": name, "cases": [str(c) for c in cases], "generation": str(generation)}
-        )
-        found[name] = {"outs": outs, "generation": generation.with_suffix(".generation.json")}
-    (root / "spec.json").write_text(json.dumps(spec))
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-            str(free_port()), str(GENERATION_DRIVER), str(root / "spec.json")]  # fmt: skip
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=1500, env=child_env(), cwd=root)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    parts = proc.stdout.split("=== backend ")[1:]
-    assert [part.split("\n", 1)[0] for part in parts] == names, proc.stdout[-3000:]
-    for name, part in zip(names, parts, strict=True):
-        found[name]["stdout"] = part
+        generation = write_recipe(files, folder / "gen", backend, "none", **over)
+        cases += [{"recipe": str(r)} for r in recipes] + [{"check": "generation", "recipe": str(generation)}]
+        found[name] = {
+            "outs": outs,
+            "generation": generation.with_suffix(".generation.json"),
+            "recipes": recipes,
+        }
+    return cases, found
+
+
+@pytest.fixture(scope="module")
+def launched(two_process_launch) -> dict:
+    """Per backend: its outputs, its generation result file and what rank 0 printed for its runs."""
+    found = two_process_launch["test_generate_backends"]
+    for run in found.values():
+        run["stdout"] = "".join(recipe.with_suffix(".stdout").read_text() for recipe in run["recipes"])
     return found
 
 

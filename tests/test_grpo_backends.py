@@ -4,8 +4,8 @@ rewards and losses per step, and the same adapter (or, with full fine-tuning, th
 KL term's reference is then each rank's stored share of the starting weights, swapped in); and a
 multi-turn run with a tool on the shipped agent model, the same trajectories and adapter. The 1-process
 run takes the same global batch (2 prompts x 2 micro-batches x 2 processes = 2 x 4 x 1), each prompt
-with its 4 completions. Every backend's runs share ONE 2-process launch (tests/dist_driver.py: a launch
-costs 10-20 s of imports per process), ZeRO-3 last."""
+with its 4 completions. Every backend's runs are this file's part of the suite's ONE 2-process launch
+(tests/conftest.py `two_process_launch`: a launch costs 10-20 s of imports per process), ZeRO-3 last."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
-from test_distributed import run_driver, run_here
+from test_distributed import run_here
 
 QUICK = Path(__file__).resolve().parents[1] / "recipes" / "quickstart" / "data"
 AGENT = Path(__file__).resolve().parents[1] / "recipes" / "agent"
@@ -28,13 +28,17 @@ HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> dict:
+    return make_assets(tmp_path_factory.mktemp("grpo-dist"))
+
+
+def make_assets(root: Path) -> dict:
     """A tiny model, a LoRA adapter to start from (random B, so the policy is not the base), prompts,
-    and a reward with spread (a random model never answers exactly)."""
+    and a reward with spread (a random model never answers exactly), under `root`."""
     from conftest import save_tiny_model
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    root = tmp_path_factory.mktemp("grpo-dist")
+    root.mkdir(parents=True, exist_ok=True)
     model_dir = save_tiny_model(root / "llama")
     torch.manual_seed(0)
     peft = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
@@ -111,12 +115,11 @@ def one_process(assets) -> dict[str, Path]:
     return outs
 
 
-@pytest.fixture(scope="module")
-def backend_runs(assets, tmp_path_factory) -> dict[str, dict[str, Path]]:
-    """Every backend's LoRA, full-fine-tuning and multi-turn agent runs in ONE 2-process launch, ZeRO-3
-    last (DeepSpeed keeps its own state: nothing runs after it); accelerate's state is reset between
-    runs, as between the cases of one backend. Per backend: its outputs by tuning ("agent" included)."""
-    root = tmp_path_factory.mktemp("grpo-backends")
+def launch_part(root: Path) -> tuple[list[dict], dict[str, dict[str, Path]]]:
+    """This file's cases of the shared 2-process launch (tests/conftest.py `two_process_launch`): every
+    backend's LoRA, full-fine-tuning and multi-turn agent runs. Per backend: its outputs by tuning
+    ("agent" included)."""
+    assets = make_assets(root / "assets")
     outs: dict[str, dict[str, Path]] = {}
     cases = []
     for backend, distributed in BACKENDS.items():
@@ -127,8 +130,12 @@ def backend_runs(assets, tmp_path_factory) -> dict[str, dict[str, Path]]:
                   for tuning, out in outs[backend].items()]  # fmt: skip
         outs[backend]["agent"] = root / f"{backend}-agent"
         cases.append({"recipe": str(agent_recipe(assets, outs[backend]["agent"], backend, **distributed))})
-    run_driver({"cases": cases}, root, nproc=2, timeout=1500)
-    return outs
+    return cases, outs
+
+
+@pytest.fixture(scope="module")
+def backend_runs(two_process_launch) -> dict[str, dict[str, Path]]:
+    return two_process_launch["test_grpo_backends"]
 
 
 @pytest.mark.timeout(1800)

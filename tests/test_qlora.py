@@ -291,15 +291,23 @@ def test_plain_run_has_no_bitsandbytes_notice(tiny_model_dir: Path, tmp_path: Pa
 OVER = {"model__quantize": "nf4", "data__eval_fraction": 0.125, "training__eval_every": 2}
 
 
-@pytest.fixture(scope="module")
-def qlora_assets(tmp_path_factory) -> dict:
-    """The tiny 64-wide model, 64 rows, and the 1-process QLoRA run every backend is compared with."""
-    from test_distributed import QUICK_TRAIN, run_here, write_recipe
+def make_qlora_assets(root: Path) -> dict:
+    """The tiny 64-wide model and 64 instruction rows, under `root`."""
+    from test_distributed import QUICK_TRAIN
 
-    root = tmp_path_factory.mktemp("qlora-dist")
+    root.mkdir(parents=True, exist_ok=True)
     data = root / "train.jsonl"
     data.write_text("".join(QUICK_TRAIN.read_text().splitlines(keepends=True)[:64]))
-    assets = {"model": save_tiny_model(root / "tiny64", hidden_size=64, intermediate_size=128), "data": data}
+    return {"model": save_tiny_model(root / "tiny64", hidden_size=64, intermediate_size=128), "data": data}
+
+
+@pytest.fixture(scope="module")
+def qlora_assets(tmp_path_factory) -> dict:
+    """The assets and the 1-process QLoRA run every backend is compared with."""
+    from test_distributed import run_here, write_recipe
+
+    root = tmp_path_factory.mktemp("qlora-dist")
+    assets = make_qlora_assets(root)
     (root / "ref").mkdir()
     ref = write_recipe(assets, root / "ref" / "out", **OVER)
     run_here({"cases": [{"recipe": str(ref)}]})
@@ -317,39 +325,39 @@ BACKENDS = {  # test id -> (backend, recipe keys, what its sharding check says)
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 
 
-@pytest.fixture(scope="module")
-def qlora_runs(qlora_assets: dict, tmp_path_factory) -> dict[str, Path]:
-    """ONE 2-process launch (each costs 10-20 s of imports per process) for every 2-process case: each
+def launch_part(root: Path) -> tuple[list[dict], dict[str, Path]]:
+    """This file's cases of the shared 2-process launch (tests/conftest.py `two_process_launch`): each
     backend's QLoRA run and its resume, the bfloat16 bases under FSDP-1, then the replicated 4-bit
-    weights that must stop (FSDP-2, uint8 storage) and DeepSpeed last (it keeps state of its own).
-    Returns each case's output folder; rank 0's output of a case is in RECIPE.stdout beside it."""
-    from test_distributed import run_driver, write_recipe
+    weights that must stop (FSDP-2, uint8 storage); DeepSpeed's run last, as every DeepSpeed case of the
+    launch. Returns each case's output folder; rank 0's output of a case is in RECIPE.stdout beside it."""
+    from test_distributed import write_recipe
 
-    root = tmp_path_factory.mktemp("qlora-2")
-    outs, cases, deepspeed = {}, [], []
+    assets = make_qlora_assets(root / "assets")
+    outs, cases = {}, []
     for name, (backend, over, _) in BACKENDS.items():
         if backend == "deepspeed" and not HAS_DEEPSPEED:
             continue
         outs[name], outs[f"{name}-resumed"] = root / name, root / f"{name}-resumed"
-        recipe = write_recipe(qlora_assets, outs[name], backend, **OVER, **over, output__save_every=2)
+        recipe = write_recipe(assets, outs[name], backend, **OVER, **over, output__save_every=2)
         resume = str(outs[name] / "checkpoints" / "step-2")
         resumed = write_recipe(
-            qlora_assets, outs[f"{name}-resumed"], backend, **OVER, **over, output__resume=resume
+            assets, outs[f"{name}-resumed"], backend, **OVER, **over, output__resume=resume
         )
-        (deepspeed if backend == "deepspeed" else cases).extend(
-            [{"recipe": str(recipe)}, {"recipe": str(resumed)}]
-        )
+        cases += [{"recipe": str(recipe)}, {"recipe": str(resumed)}]
     for quantize in ("nf4", "none"):
         outs[f"bf16-{quantize}"] = root / f"bf16-{quantize}"
         over = {**OVER, "model__quantize": quantize, "model__dtype": "bfloat16"}
-        cases.append({"recipe": str(write_recipe(qlora_assets, outs[f"bf16-{quantize}"], "fsdp1", **over))})
+        cases.append({"recipe": str(write_recipe(assets, outs[f"bf16-{quantize}"], "fsdp1", **over))})
     # The 4-bit weights loaded the way other launchers load them under FSDP-2: the case must stop.
     outs["uint8"] = root / "uint8"
-    uint8 = write_recipe(qlora_assets, outs["uint8"], "fsdp2", **OVER)
+    uint8 = write_recipe(assets, outs["uint8"], "fsdp2", **OVER)
     cases.append({"recipe": str(uint8), "uint8_storage": True, "expect_error": True})
-    cases += deepspeed
-    run_driver({"cases": cases}, root, nproc=2, timeout=900)
-    return outs
+    return cases, outs
+
+
+@pytest.fixture(scope="module")
+def qlora_runs(two_process_launch) -> dict[str, Path]:
+    return two_process_launch["test_qlora"]
 
 
 def case_stdout(out: Path) -> str:

@@ -7,7 +7,8 @@ one rank's micro-batch holds images while the other's holds none: every rank mus
 vision tower (a sharded tower's gathers are collective), and the eval loss and the eval samples
 (greedy completions, an image prompt on one rank and a text prompt on the other) must equal one
 process's. A run resumed at step 2 repeats the uninterrupted one: bit for bit on one process, within
-1e-6 under FSDP-1. Two launches in all (each costs 10-20 s of imports), each under a timeout.
+1e-6 under FSDP-1. The references train in the test worker; the 2-process cases are this file's part
+of the suite's ONE 2-process launch (tests/conftest.py `two_process_launch`), under its timeout.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_distributed import assert_same_run, losses, run_driver, run_here, write_recipe
+from test_distributed import assert_same_run, losses, run_here, write_recipe
 
 from liger_cli.data.batches import StepBatches, even_shares
 
@@ -71,7 +72,12 @@ def kind_of(row: dict) -> str:
 
 @pytest.fixture(scope="module")
 def vlm_assets(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("vlm-dist")
+    return make_assets(tmp_path_factory.mktemp("vlm-dist"))
+
+
+def make_assets(root: Path) -> dict:
+    """Train and eval rows of pictures and text (laid out as EVAL_KINDS and the test below say)."""
+    root.mkdir(parents=True, exist_ok=True)
     train, evals = root / "train.jsonl", root / "eval.jsonl"
     train.write_text(mixed(["image", "text"] * IMAGE_ROWS, VISION / "data" / "train.jsonl"))
     evals.write_text(mixed(EVAL_KINDS, VISION / "data" / "eval.jsonl"))
@@ -87,33 +93,39 @@ def vlm_recipe(assets: dict, out: Path, backend: str = "none", adapter: str = "l
     return write_recipe(assets, out, backend, adapter, **(vision | over))
 
 
-@pytest.fixture(scope="module")
-def runs(vlm_assets) -> dict:
-    """The 1-process references (and a resume), then DDP, FSDP-1 (and its resume), FSDP-2 and ZeRO-3 in
-    one 2-process launch: ZeRO-3 last, as DeepSpeed keeps its own state (nothing runs after it)."""
-    root = vlm_assets["root"]
-    outs = {name: root / name for name in ("ref-lora", "ref-full", "resumed-1", *CASES, "resumed-fsdp1")}
+def launch_part(root: Path) -> tuple[list[dict], dict]:
+    """This file's cases of the shared 2-process launch (tests/conftest.py `two_process_launch`): DDP,
+    FSDP-1 (and its resume), FSDP-2 and ZeRO-3 (last, as every DeepSpeed case of the launch). Returns
+    each case's output and the recipes (rank 0's output of each is written beside it)."""
+    assets = make_assets(root / "assets")
+    outs = {name: root / name for name in (*CASES, "resumed-fsdp1")}
     save = {"output__save_every": 2}
+    two = [vlm_recipe(assets, outs[name], backend, adapter, **(save if name == "fsdp1-lora" else {}))
+           for name, (backend, adapter) in CASES.items() if backend != "deepspeed"]  # fmt: skip
+    resume = str(outs["fsdp1-lora"] / "checkpoints" / "step-2")
+    two.append(vlm_recipe(assets, outs["resumed-fsdp1"], "fsdp1", output__resume=resume))
+    if HAS_DEEPSPEED:
+        two.append(vlm_recipe(assets, outs["zero3-full"], "deepspeed", "none", distributed__zero_stage=3))
+    return [{"recipe": str(r)} for r in two], {"outs": outs, "recipes": two}
+
+
+@pytest.fixture(scope="module")
+def runs(vlm_assets, two_process_launch) -> dict:
+    """The 1-process references (and a resume), in this worker, and the 2-process cases of the shared
+    launch, with what rank 0 printed for them."""
+    root = vlm_assets["root"]
+    outs = {name: root / name for name in ("ref-lora", "ref-full", "resumed-1")}
     refs = [
-        vlm_recipe(vlm_assets, outs["ref-lora"], **save),
+        vlm_recipe(vlm_assets, outs["ref-lora"], output__save_every=2),
         vlm_recipe(vlm_assets, outs["ref-full"], adapter="none"),
         vlm_recipe(
             vlm_assets, outs["resumed-1"], output__resume=str(outs["ref-lora"] / "checkpoints" / "step-2")
         ),
     ]
     run_here({"cases": [{"recipe": str(r)} for r in refs]})
-    two = [vlm_recipe(vlm_assets, outs[name], backend, adapter, **(save if name == "fsdp1-lora" else {}))
-           for name, (backend, adapter) in CASES.items() if backend != "deepspeed"]  # fmt: skip
-    resume = str(outs["fsdp1-lora"] / "checkpoints" / "step-2")
-    two.append(vlm_recipe(vlm_assets, outs["resumed-fsdp1"], "fsdp1", output__resume=resume))
-    if HAS_DEEPSPEED:
-        zero = vlm_recipe(vlm_assets, outs["zero3-full"], "deepspeed", "none", distributed__zero_stage=3)
-        two.append(zero)
-    (root / "two").mkdir()
-    stdout = run_driver(
-        {"cases": [{"recipe": str(r)} for r in two]}, root / "two", nproc=2, timeout=900
-    ).stdout
-    return outs | {"stdout": stdout, "launched": len(two)}
+    two = two_process_launch["test_vlm_distributed"]
+    stdout = "".join(recipe.with_suffix(".stdout").read_text() for recipe in two["recipes"])
+    return outs | two["outs"] | {"stdout": stdout, "launched": len(two["recipes"])}
 
 
 def test_the_data_puts_pictures_on_one_rank_and_text_on_the_other(vlm_assets) -> None:
