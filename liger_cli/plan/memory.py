@@ -23,7 +23,7 @@ from liger_cli.plan.activations import Activations, measure_activations
 from liger_cli.plan.backends import BACKENDS
 from liger_cli.plan.decide import Plan
 from liger_cli.plan.image_inputs import meta_image_batch
-from liger_cli.plan.memory_objectives import kv_cache_bytes, reference, rows_per_example
+from liger_cli.plan.memory_objectives import kv_cache_bytes, reference, rows_per_example, teacher_bytes
 from liger_cli.recipe import Recipe
 
 MiB = 2**20
@@ -78,6 +78,8 @@ class Settings:
     with full fine-tuning and beta > 0: "copy" (the starting weights as each rank stores them)."""
     kv_cache_bytes: int = 0
     """GRPO: the KV cache of sampling one micro-batch's completions (freed before its forward)."""
+    teacher: tuple[int, int] = (0, 0)
+    """distill: the frozen teacher's weights and its hidden states for one micro-batch, in bytes."""
 
 
 @dataclass(frozen=True)
@@ -202,6 +204,12 @@ def estimate(facts: Facts, s: Settings) -> tuple[dict[str, int], dict[str, str]]
     if s.reference == "copy":  # swapped in for the reference pass: stored (sharded) like the parameters
         parts["reference copy"] = share(facts.trainable_bytes, "parameters")
         notes["reference copy"] = "the starting weights, for the KL term (rl.beta > 0, full fine-tuning)"
+    if s.teacher[0]:  # distill: not sharded, every process holds all of it
+        parts["teacher"] = s.teacher[0] + s.teacher[1] * s.grad_accum
+        notes["teacher"] = (
+            f"the frozen teacher's weights, {size(s.teacher[0])}, and its final hidden states for "
+            f"{s.grad_accum} micro-batch(es) of completions"
+        )
     mode = "every layer checkpointed" if s.checkpointing else "no checkpointing"
     rows = s.micro_batch * s.rows_per_example
     reference = {
@@ -266,6 +274,7 @@ def settings_of(recipe: Recipe, plan: Plan) -> Settings:
         rows_per_example=rows_per_example(recipe),
         reference=reference(recipe),
         kv_cache_bytes=kv_cache_bytes(recipe),
+        teacher=teacher_bytes(recipe, plan.device),
     )
 
 

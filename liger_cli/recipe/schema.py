@@ -22,7 +22,7 @@ from pydantic import (
 from liger_cli.recipe.base import RelPath, _Section
 from liger_cli.recipe.data_section import DataSection
 from liger_cli.recipe.distributed_section import DistributedSection, split_names
-from liger_cli.recipe.rl_section import RLSection, check_rl
+from liger_cli.recipe.rl_section import SAMPLING, DistillSection, RLSection, check_rl
 
 
 class ModelSection(_Section):
@@ -174,9 +174,10 @@ class TrainingSection(_Section):
     the share equal to their reference answer is logged as eval_sample_match."""
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     """Mixed precision; auto: bf16/fp16 on a GPU, fp32 on a CPU."""
-    objective: Literal["sft", "dpo", "simpo", "orpo", "grpo"] = "sft"
+    objective: Literal["sft", "dpo", "simpo", "orpo", "grpo", "distill"] = "sft"
     """sft: the causal-LM loss on the learned tokens; dpo, simpo, orpo: preference pairs (data.format
-    preference); grpo: online RL on prompts (data.format prompt) with the rl section's rewards."""
+    preference); grpo: online RL on prompts (data.format prompt) with the rl section's rewards; distill:
+    on-policy distillation on prompts toward the distill section's teacher."""
 
     @model_validator(mode="after")
     def _one_length(self) -> TrainingSection:
@@ -299,12 +300,14 @@ class Recipe(_Section):
     logging: LoggingSection = Field(default_factory=LoggingSection)
     preference: PreferenceSection = Field(default_factory=PreferenceSection)
     rl: RLSection | None = None
+    distill: DistillSection | None = None
 
     @model_validator(mode="after")
     def _objective_and_data(self) -> Recipe:
         objective, fmt = self.training.objective, self.data.format
         self._vision_needs()
-        if objective == "grpo" or fmt == "prompt" or self.rl is not None:
+        online = objective in ("grpo", "distill")
+        if online or fmt == "prompt" or self.rl is not None or self.distill is not None:
             check_rl(self)
             return self
         if objective != "sft" and fmt != "preference":
@@ -384,7 +387,13 @@ class Recipe(_Section):
         data = self.model_dump(mode="json")
         if data["rl"] is None:
             del data["rl"]
-        if self.training.objective in ("sft", "grpo"):
+        elif self.training.objective == "distill":  # its sampling keys only: the others are refused on reload
+            data["rl"] = {k: v for k, v in data["rl"].items() if k in SAMPLING}
+        if data["distill"] is None:
+            del data["distill"]
+        elif self.distill.loss == "reverse_kl":
+            del data["distill"]["beta"]
+        if self.training.objective in ("sft", "grpo", "distill"):
             del data["preference"]  # sft recipes read as they always did
         else:  # the options the objective honours, resolved; the others would be refused on reload
             applies = self.preference.applies(self.training.objective)

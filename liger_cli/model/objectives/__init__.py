@@ -53,8 +53,9 @@ class Objective(Protocol):
 
 def objective_for(recipe: Recipe) -> Objective:
     """The recipe's `training.objective`: sft (the causal-LM loss over label tokens), a preference
-    objective (a loss per pair: dpo, simpo, orpo), or grpo (online RL; its reward functions are
-    imported here, so a broken one stops the run before the model is built)."""
+    objective (a loss per pair: dpo, simpo, orpo), grpo (online RL; its reward functions are
+    imported here, so a broken one stops the run before the model is built) or distill (online: the
+    student's samples, a divergence to a frozen teacher per token)."""
     objective = recipe.training.objective
     if objective == "sft":
         return CausalLM()
@@ -65,4 +66,8 @@ def objective_for(recipe: Recipe) -> Objective:
         return Grpo(
             recipe.rl, load_rewards(recipe.rl.rewards), recipe.training.seed, recipe.adapter.type != "none"
         )
+    if objective == "distill":  # online too (distill.py); its teacher loads before the first step
+        from liger_cli.model.objectives.distill import Distill
+
+        return Distill(recipe)
     return Preference(objective, recipe.preference, adapter=recipe.adapter.type != "none")
