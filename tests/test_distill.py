@@ -55,7 +55,13 @@ def setup(tiny_model_dir: Path, tmp_path_factory) -> dict:
     teacher = save_tiny_model(root / "teacher", seed=1, initializer_range=0.3)  # peaked: far from the student
     write_prompts(root / "train.jsonl", QUICK_DATA / "train.jsonl", 16)
     write_prompts(root / "eval.jsonl", QUICK_DATA / "eval.jsonl", 3)
-    found = {"root": root, "student": tiny_model_dir, "teacher": teacher, "run": root / "run", "stopped": root / "stopped"}
+    found = {
+        "root": root,
+        "student": tiny_model_dir,
+        "teacher": teacher,
+        "run": root / "run",
+        "stopped": root / "stopped",
+    }
     found["proc"] = liger_here("train", str(distill_recipe(root, tiny_model_dir, teacher, found["run"])))
     stopped = distill_recipe(root, tiny_model_dir, teacher, found["stopped"], training__eval_every=None)
     first = liger_here("train", str(stopped), "--set", "training.max_steps=1", "--set", "kernels.check=false")
@@ -103,7 +109,9 @@ def test_the_first_step_is_the_mean_kl_to_the_teacher_over_every_sampled_token(r
         for r in rows[:8]:
             ids = torch.tensor([r["prompt_ids"] + r["completion_ids"]])
             start, n = len(r["prompt_ids"]) - 1, len(r["completion_ids"])
-            kl = reverse_kl(student(input_ids=ids).logits, teacher(input_ids=ids).logits)[0, start : start + n]
+            kl = reverse_kl(student(input_ids=ids).logits, teacher(input_ids=ids).logits)[
+                0, start : start + n
+            ]
             total, tokens = total + kl.sum().item(), tokens + n
     first = next(m for m in metrics(run) if m["step"] == 1 and "loss" in m)
     assert first["loss"] == pytest.approx(total / tokens, rel=1e-4)
@@ -119,7 +127,14 @@ def test_eval_kl_and_exact_answers_are_logged_at_every_evaluation(run: Path) -> 
     assert all(m["eval_kl"] > 0 and 0 <= m["eval_exact_match"] <= 1 for m in evals)
     assert len({m["eval_kl"] for m in evals}) == 3  # the student moves; the teacher does not
     saved = yaml.safe_load((run / "recipe.yaml").read_text())
-    assert saved["rl"].keys() == {"num_generations", "max_new_tokens", "temperature", "top_p", "top_k", "engine"}
+    assert saved["rl"].keys() == {
+        "num_generations",
+        "max_new_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "engine",
+    }
     assert "beta" not in saved["distill"]  # reverse_kl: the resolved recipe loads again
 
 
@@ -143,7 +158,9 @@ def test_the_shipped_recipe_starts_where_its_docs_say(setup) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     evals = [m for m in metrics(setup["shipped"]) if "eval_kl" in m]
     assert [m["step"] for m in evals] == [0, 2]
-    assert evals[0]["eval_exact_match"] == pytest.approx(0.47) and evals[0]["eval_kl"] == pytest.approx(0.44, abs=0.005)
+    assert evals[0]["eval_exact_match"] == pytest.approx(0.47) and evals[0]["eval_kl"] == pytest.approx(
+        0.44, abs=0.005
+    )
 
 
 # --- the loss on hand-made rollouts ------------------------------------------------------------------------
@@ -162,7 +179,9 @@ def generalized_jsd(student_logits, teacher_logits, beta: float, temperature: fl
 def settings(**over):
     from liger_cli.recipe.rl_section import DistillSection
 
-    return DistillSection.model_construct(**{"teacher": Path("."), "loss": "jsd", "beta": 0.3, "temperature": 2.0, **over})
+    return DistillSection.model_construct(
+        **{"teacher": Path("."), "loss": "jsd", "beta": 0.3, "temperature": 2.0, **over}
+    )
 
 
 def objective(**over) -> Distill:

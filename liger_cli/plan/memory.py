@@ -78,8 +78,7 @@ class Settings:
     with full fine-tuning and beta > 0: "copy" (the starting weights as each rank stores them)."""
     kv_cache_bytes: int = 0
     """GRPO: the KV cache of sampling one micro-batch's completions (freed before its forward)."""
-    teacher: tuple[int, int] = (0, 0)
-    """distill: the frozen teacher's weights and its hidden states for one micro-batch, in bytes."""
+    teacher: int = 0  # distill: the frozen teacher's weights and its hidden states for the step
 
 
 @dataclass(frozen=True)
@@ -204,12 +203,8 @@ def estimate(facts: Facts, s: Settings) -> tuple[dict[str, int], dict[str, str]]
     if s.reference == "copy":  # swapped in for the reference pass: stored (sharded) like the parameters
         parts["reference copy"] = share(facts.trainable_bytes, "parameters")
         notes["reference copy"] = "the starting weights, for the KL term (rl.beta > 0, full fine-tuning)"
-    if s.teacher[0]:  # distill: not sharded, every process holds all of it
-        parts["teacher"] = s.teacher[0] + s.teacher[1] * s.grad_accum
-        notes["teacher"] = (
-            f"the frozen teacher's weights, {size(s.teacher[0])}, and its final hidden states for "
-            f"{s.grad_accum} micro-batch(es) of completions"
-        )
+    if s.teacher:  # distill: not sharded, every process holds all of it
+        parts["teacher"], notes["teacher"] = s.teacher, "the frozen teacher's weights and final hidden states"
     mode = "every layer checkpointed" if s.checkpointing else "no checkpointing"
     rows = s.micro_batch * s.rows_per_example
     reference = {

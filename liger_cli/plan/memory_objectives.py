@@ -41,19 +41,21 @@ def kv_cache_bytes(recipe: Recipe) -> int:
     return 2 * layers * kv_heads * head_dim * rows * recipe.data.max_seq_len * model_dtype(recipe).itemsize
 
 
-def teacher_bytes(recipe: Recipe, device: str) -> tuple[int, int]:
+def teacher_bytes(recipe: Recipe, device: str) -> int:
     """distill: the teacher's weights in the dtype it loads in (every process holds all of them), and
-    its final hidden states for a micro-batch's completions at data.max_seq_len ((0, 0) otherwise)."""
+    its final hidden states for the step's micro-batches of completions at data.max_seq_len (held from
+    sampling to each one's loss); 0 for the other objectives."""
     import torch
 
     from liger_cli.model import meta_model_from_config
     from liger_cli.model.objectives.distill import teacher_dtype
 
     if recipe.training.objective != "distill":
-        return 0, 0
+        return 0
     dtype = teacher_dtype(recipe, torch.device(device))
     meta = meta_model_from_config(recipe.distill.teacher, dtype=dtype)
     weights = sum(p.numel() for p in meta.parameters()) * dtype.itemsize
     width = meta.config.get_text_config().hidden_size
-    rows = recipe.training.micro_batch_size * recipe.rl.num_generations
-    return weights, rows * recipe.data.max_seq_len * width * dtype.itemsize
+    t = recipe.training
+    rows = t.micro_batch_size * t.grad_accum * recipe.rl.num_generations
+    return weights + rows * recipe.data.max_seq_len * width * dtype.itemsize

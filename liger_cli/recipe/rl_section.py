@@ -43,7 +43,8 @@ def code_spec(value: str, info: ValidationInfo, what: str) -> str:
 
 
 class RLSection(_Section):
-    """Online RL (training.objective grpo): sampling, the loss variant and the reward functions."""
+    """Online RL (training.objective grpo): sampling, the loss variant and the reward functions; distill
+    uses its sampling keys only."""
 
     num_generations: int = Field(8, ge=1)
     """G completions sampled per prompt (grpo: a group of at least 2, its rewards compared with each other)."""
@@ -212,7 +213,8 @@ def check_distill(recipe) -> None:
     other = sorted(recipe.rl.model_fields_set - set(SAMPLING))
     if other:
         raise ValueError(
-            f"rl.{', rl.'.join(other)} do not apply to training.objective distill (its rl section holds the "
+            f"rl.{', rl.'.join(other)} {'does' if len(other) == 1 else 'do'} not apply to training.objective "
+            "distill (its rl section holds the "
             f"sampling keys only: {', '.join(SAMPLING)}); remove them"
         )
     backend = recipe.distributed.backend
@@ -226,3 +228,17 @@ def check_distill(recipe) -> None:
             f"training.objective distill with model.quantize {recipe.model.quantize}: a 4-bit teacher is not "
             "supported yet (nor a 4-bit student beside a full-precision one); set model.quantize: none"
         )
+
+
+def dump_online(recipe, data: dict) -> None:
+    """The rl and distill sections as a run's recipe.yaml holds them (Recipe.to_yaml): absent when not
+    given; a distill run's rl section with its sampling keys only and distill.beta with jsd only (the
+    others are refused when the file is read again)."""
+    if data["rl"] is None:
+        del data["rl"]
+    elif recipe.training.objective == "distill":
+        data["rl"] = {k: v for k, v in data["rl"].items() if k in SAMPLING}
+    if data["distill"] is None:
+        del data["distill"]
+    elif recipe.distill.loss == "reverse_kl":
+        del data["distill"]["beta"]

@@ -22,7 +22,7 @@ from pydantic import (
 from liger_cli.recipe.base import RelPath, _Section
 from liger_cli.recipe.data_section import DataSection
 from liger_cli.recipe.distributed_section import DistributedSection, split_names
-from liger_cli.recipe.rl_section import SAMPLING, DistillSection, RLSection, check_rl
+from liger_cli.recipe.rl_section import DistillSection, RLSection, check_rl, dump_online
 
 
 class ModelSection(_Section):
@@ -385,14 +385,7 @@ class Recipe(_Section):
 
     def to_yaml(self) -> str:
         data = self.model_dump(mode="json")
-        if data["rl"] is None:
-            del data["rl"]
-        elif self.training.objective == "distill":  # its sampling keys only: the others are refused on reload
-            data["rl"] = {k: v for k, v in data["rl"].items() if k in SAMPLING}
-        if data["distill"] is None:
-            del data["distill"]
-        elif self.distill.loss == "reverse_kl":
-            del data["distill"]["beta"]
+        dump_online(self, data)
         if self.training.objective in ("sft", "grpo", "distill"):
             del data["preference"]  # sft recipes read as they always did
         else:  # the options the objective honours, resolved; the others would be refused on reload

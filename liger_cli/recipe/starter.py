@@ -25,9 +25,14 @@ from liger_cli.recipe.data_section import _HUB_NAME
 from liger_cli.recipe.load import validate_recipe
 from liger_cli.recipe.schema import Recipe
 
-OBJECTIVE_FORMAT = {"dpo": "preference", "simpo": "preference", "orpo": "preference", "grpo": "prompt"}
+OBJECTIVE_FORMAT = {"dpo": "preference", "simpo": "preference", "orpo": "preference", "grpo": "prompt",
+                    "distill": "prompt"}  # fmt: skip
 FIRST_ROW_FORMAT = (("messages", "chat"), ("instruction", "instruction"), ("text", "text"))
-SKIPPED = {"preference": ("dpo", "simpo", "orpo"), "rl": ("grpo",)}  # sections only some objectives take
+SKIPPED = {
+    "preference": ("dpo", "simpo", "orpo"),
+    "rl": ("grpo", "distill"),
+    "distill": ("distill",),
+}  # sections only some objectives take
 
 
 def _choices(section: type[BaseModel], key: str) -> tuple[Any, ...]:
@@ -82,6 +87,9 @@ def _chosen(file: Path, model: Path, data: str, objective: str, quantize: str, b
         chosen["distributed"] = {"backend": backend}
     if objective == "grpo":
         chosen["rl"] = {"rewards": [{"function": "liger_cli.rewards:exact_match"}]}
+    if objective == "distill":  # a stand-in that loads: the student itself (set your teacher)
+        chosen["distill"] = {"teacher": chosen["model"]["path"]}
+        chosen["rl"] = {}
     return chosen
 
 
@@ -156,6 +164,10 @@ def starter_text(file: Path, model: Path, data: str, objective: str, quantize: s
     if objective == "grpo":
         lines.append(
             "# rl.rewards: exact_match gives 1.0 where a completion equals the row's `answer` field."
+        )
+    if objective == "distill":
+        lines.append(
+            "# distill.teacher: the student's own folder stands in; set your teacher (same tokenizer)."
         )
     recipe = copy.deepcopy(chosen)  # what is set so far: each default is added only where it is accepted
     refused = _accepts(recipe, folder)

@@ -34,8 +34,7 @@ from liger_cli.errors import UserError
 from liger_cli.model.objectives.grpo import _shifted
 from liger_cli.model.objectives.preference import find_causal_lm, kept_flags, loss_function_swapped
 
-NAMES = ("input_ids", "labels", "attention_mask", "position_ids")
-"""What each forward takes from a batch."""
+NAMES = ("input_ids", "labels", "attention_mask", "position_ids")  # what each forward takes from a batch
 
 
 class Distill:
@@ -114,8 +113,7 @@ class Distill:
     def prepare(self, precompute) -> None:
         return None
 
-    def checkpoint_state(self) -> None:
-        """Nothing: a step's completions are a function of the seed, the step and the weights."""
+    def checkpoint_state(self) -> None:  # a step's completions are a function of seed, step and weights
         return None
 
     def start_note(self, first: dict[str, float]) -> str | None:
@@ -133,11 +131,17 @@ class Distill:
             model.eval()
             _, learned, kl = self.divergences(model, batch)
         keep = torch.tensor(real, dtype=torch.float64)
-        sums = [((kl * learned).sum(1).double().cpu() * keep).sum(), (learned.sum(1).double().cpu() * keep).sum()]
+        sums = [
+            ((kl * learned).sum(1).double().cpu() * keep).sum(),
+            (learned.sum(1).double().cpu() * keep).sum(),
+        ]
         answers = [json.loads(p["fields"]).get("answer") for p in prompts]
         graded = all(a is not None for a in answers)
         if graded:
-            right = [float(sampler.text(t).strip() == str(a).strip()) for t, a in zip(trajectories, answers, strict=True)]
+            right = [
+                float(sampler.text(t).strip() == str(a).strip())
+                for t, a in zip(trajectories, answers, strict=True)
+            ]
             sums += [(torch.tensor(right, dtype=torch.float64) * keep).sum(), keep.sum()]
         total = sampler.reduce(torch.stack([torch.as_tensor(s, dtype=torch.float64) for s in sums])).tolist()
         found = {"eval_kl": total[0] / max(total[1], 1.0)}
@@ -191,7 +195,9 @@ class Distill:
             from liger_kernels.patch_loss import DeferredLogits
 
             if not isinstance(logits, DeferredLogits):
-                raise RuntimeError("the teacher's forward did not defer its logits (fused loss not patched in)")
+                raise RuntimeError(
+                    "the teacher's forward did not defer its logits (fused loss not patched in)"
+                )
             found.append(logits.hidden)
             return logits.hidden.new_zeros(())
 
@@ -227,7 +233,13 @@ def divergence_loss(teacher_hidden: torch.Tensor, weight: torch.Tensor, bias, se
     reverse = loss == "reverse_kl" or beta == 1.0
 
     def loss_function(
-        logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **kwargs
+        logits,
+        labels,
+        vocab_size=None,
+        num_items_in_batch=None,
+        ignore_index=-100,
+        shift_labels=None,
+        **kwargs,
     ):
         targets = shift_labels if shift_labels is not None else shift(labels, ignore_index)
         if isinstance(logits, DeferredLogits):
@@ -254,7 +266,9 @@ def divergence_loss(teacher_hidden: torch.Tensor, weight: torch.Tensor, bias, se
     return loss_function
 
 
-def plain_divergence(student_logits, teacher_logits, loss: str, beta: float, temperature: float) -> torch.Tensor:
+def plain_divergence(
+    student_logits, teacher_logits, loss: str, beta: float, temperature: float
+) -> torch.Tensor:
     """The divergence per position from both models' logits ([..., V] -> [...], fp32): what
     fused_linear_divergence computes without the logits (TRL GKD's generalized JSD; beta 0 is forward
     KL, beta 1 and reverse_kl are KL(student || teacher))."""
@@ -272,7 +286,9 @@ def _length_stats(rows: list[dict], reduce) -> dict[str, float]:
     """Completion lengths (mean, min, max) and the share cut at max_new_tokens, over every process."""
     lengths = torch.tensor([len(r["completion_ids"]) for r in rows], dtype=torch.float64)
     cut = torch.tensor([r["finish_reason"] == "length" for r in rows], dtype=torch.float64)
-    n, total, clipped = reduce(torch.stack([torch.tensor(float(len(rows))), lengths.sum(), cut.sum()])).tolist()
+    n, total, clipped = reduce(
+        torch.stack([torch.tensor(float(len(rows))), lengths.sum(), cut.sum()])
+    ).tolist()
     low, high = reduce(torch.stack([-lengths.min(), lengths.max()]), "max").tolist()
     return {"completion_length": total / n, "completion_length_min": -low, "completion_length_max": high,
             "clipped_ratio": clipped / n}  # fmt: skip
@@ -309,7 +325,9 @@ def check_teacher(recipe) -> str:
         theirs = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UserError(f"distill.teacher {path}: no tokenizer loads from it ({first}); save the student's tokenizer there") from None
+        raise UserError(
+            f"distill.teacher {path}: no tokenizer loads from it ({first}); save the student's tokenizer there"
+        ) from None
     ours = load_tokenizer(recipe)
     if why := tokenizer_difference(ours, theirs):
         raise UserError(
@@ -349,7 +367,9 @@ def tokenizer_difference(ours, theirs) -> str | None:
         if getattr(ours, name) != getattr(theirs, name):
             return f"{name} {getattr(theirs, name)}, the student's {getattr(ours, name)}"
     if sorted(ours.all_special_ids) != sorted(theirs.all_special_ids):
-        return f"special tokens {sorted(theirs.all_special_ids)}, the student's {sorted(ours.all_special_ids)}"
+        return (
+            f"special tokens {sorted(theirs.all_special_ids)}, the student's {sorted(ours.all_special_ids)}"
+        )
     return None
 
 
@@ -377,5 +397,3 @@ def load_teacher(recipe, device: torch.device) -> nn.Module:
     if why := _deferral_refusal(teacher):
         raise UserError(f"distill.teacher {path}: {why}; distill reads the teacher's lm_head input")
     return teacher
-
-
