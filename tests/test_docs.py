@@ -82,7 +82,10 @@ def test_every_recipe_key_and_section_has_a_description() -> None:
                 missing.append(prefix + key.name)
     assert not missing, f"give these a one-line docstring in liger_cli/recipe/: {missing}"
     reference = (REPO / "docs" / "recipe-reference.md").read_text()
-    assert "| `training.objective` | one of `sft`, `dpo`, `simpo`, `orpo`, `grpo`, `distill` | `sft` |" in reference
+    assert (
+        "| `training.objective` | one of `sft`, `dpo`, `simpo`, `orpo`, `grpo`, `distill` | `sft` |"
+        in reference
+    )
 
 
 def test_every_relative_link_resolves() -> None:
