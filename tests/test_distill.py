@@ -163,6 +163,17 @@ def test_the_shipped_recipe_starts_where_its_docs_say(setup) -> None:
     )
 
 
+def test_the_memory_plan_counts_the_teacher(setup, tmp_path) -> None:
+    """--dry-run's `teacher` row: its fp32 weights (counted from its safetensors file) and its final
+    hidden states (width 32) for the step's 2 micro-batches x 2 prompts x 2 completions x 48 tokens."""
+    recipe = distill_recipe(setup["root"], setup["student"], setup["teacher"], tmp_path / "dry")
+    proc = liger_here("train", str(recipe), "--dry-run", "--json", "--set", "kernels.check=false")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    components = json.loads(proc.stdout)["memory"]["components"]
+    weights = sum(t.numel() for t in load_file(setup["teacher"] / "model.safetensors").values()) * 4
+    assert components["teacher"] == weights + 8 * 48 * 32 * 4
+
+
 # --- the loss on hand-made rollouts ------------------------------------------------------------------------
 
 

@@ -45,13 +45,13 @@ def teacher_bytes(recipe: Recipe, device: str) -> int:
     """distill: the teacher's weights in the dtype it loads in (every process holds all of them), and
     its final hidden states for the step's micro-batches of completions at data.max_seq_len (held from
     sampling to each one's loss); 0 for the other objectives."""
+    if recipe.training.objective != "distill":
+        return 0
     import torch
 
     from liger_cli.model import meta_model_from_config
     from liger_cli.model.objectives.distill import teacher_dtype
 
-    if recipe.training.objective != "distill":
-        return 0
     dtype = teacher_dtype(recipe, torch.device(device))
     meta = meta_model_from_config(recipe.distill.teacher, dtype=dtype)
     weights = sum(p.numel() for p in meta.parameters()) * dtype.itemsize
