@@ -43,17 +43,14 @@ class Distill:
 
     def __init__(self, recipe):
         self.recipe, self.rl, self.settings = recipe, recipe.rl, recipe.distill
-        self.step_stats: dict[str, float] = {}
-        """The last rollout's metrics (over every completion of the step, all processes)."""
+        self.step_stats: dict[str, float] = {}  # the last rollout's metrics (all completions, all processes)
         self.samples: list[dict] = []
         """The last rollout's rows for rollouts.jsonl (this process's completions)."""
         self.teacher: nn.Module | None = None
-        self._head: tuple[torch.Tensor, torch.Tensor | None] | None = None
-        """The teacher's lm_head weight and bias (or the twin checks' stand-in)."""
+        self._head: tuple | None = None  # the teacher's lm_head weight and bias (or a twin's stand-in)
 
     @property
-    def twin_loss(self) -> str:
-        """How the twin's checks name this loss in the Plan."""
+    def twin_loss(self) -> str:  # how the twin's checks name this loss in the Plan
         return f"distill loss ({self.settings.loss})"
 
     # --- what the loop asks -------------------------------------------------------------------------
@@ -125,16 +122,18 @@ class Distill:
         equal to it, stripped, as liger_cli.rewards:exact_match scores)."""
         prompts, real = sampler.eval_prompts(dataset)
         trajectories = sampler.trajectories(prompts, [f"eval:{p['row']}" for p in prompts], greedy=True)
-        batch = self._batch(trajectories, sampler.tokenizer.pad_token_id)
-        batch["teacher_hidden"] = self._teacher_hidden(batch)
+        per_row, tokens = [], []
+        rows = self.recipe.training.micro_batch_size * self.rl.num_generations  # a training micro-batch's
         with torch.no_grad(), kept_flags(model):
             model.eval()
-            _, learned, kl = self.divergences(model, batch)
+            for i in range(0, len(trajectories), rows):
+                batch = self._batch(trajectories[i : i + rows], sampler.tokenizer.pad_token_id)
+                batch["teacher_hidden"] = self._teacher_hidden(batch)
+                _, learned, kl = self.divergences(model, batch)
+                per_row.append((kl * learned).sum(1).double().cpu())
+                tokens.append(learned.sum(1).double().cpu())
         keep = torch.tensor(real, dtype=torch.float64)
-        sums = [
-            ((kl * learned).sum(1).double().cpu() * keep).sum(),
-            (learned.sum(1).double().cpu() * keep).sum(),
-        ]
+        sums = [(torch.cat(per_row) * keep).sum(), (torch.cat(tokens) * keep).sum()]
         answers = [json.loads(p["fields"]).get("answer") for p in prompts]
         graded = all(a is not None for a in answers)
         if graded:
