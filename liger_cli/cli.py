@@ -84,7 +84,7 @@ def init(
     data: Annotated[
         str, typer.Option(help="The training data: a file, a folder of shards or a Hub dataset name.")
     ],
-    objective: Annotated[str, typer.Option(help="sft, dpo or grpo (also simpo, orpo).")],
+    objective: Annotated[str, typer.Option(help="sft, dpo or grpo (also simpo, orpo, distill).")],
     quantize: Annotated[
         str, typer.Option(help="nf4 or fp4: QLoRA, the base's linear layers in 4 bits.")
     ] = "none",

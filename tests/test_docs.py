@@ -83,7 +83,7 @@ def test_every_recipe_key_and_section_has_a_description() -> None:
     assert not missing, f"give these a one-line docstring in liger_cli/recipe/: {missing}"
     reference = (REPO / "docs" / "recipe-reference.md").read_text()
     assert (
-        "| `training.objective` | one of `sft`, `dpo`, `simpo`, `orpo`, `kto`, `reward`, `grpo` | `sft` |"
+        "| `training.objective` | one of `sft`, `dpo`, `simpo`, `orpo`, `kto`, `reward`, `grpo`, `distill` | `sft` |"
         in reference
     )
 

@@ -111,6 +111,8 @@ def one_process(assets) -> dict[str, Path]:
     cases = [{"recipe": str(recipe(assets, out, tuning=tuning))} for tuning, out in outs.items()]
     outs["agent"] = assets["root"] / "ref-agent"
     cases.append({"recipe": str(agent_recipe(assets, outs["agent"]))})
+    outs["distill"] = assets["root"] / "ref-distill"
+    cases.append({"recipe": str(distill_recipe(assets, outs["distill"]))})
     run_here({"cases": cases})
     return outs
 
@@ -130,6 +132,8 @@ def launch_part(root: Path) -> tuple[list[dict], dict[str, dict[str, Path]]]:
                   for tuning, out in outs[backend].items()]  # fmt: skip
         outs[backend]["agent"] = root / f"{backend}-agent"
         cases.append({"recipe": str(agent_recipe(assets, outs[backend]["agent"], backend, **distributed))})
+    outs["distill"] = {"ddp": root / "distill-ddp"}  # on-policy distillation: DDP, the teacher on each rank
+    cases.append({"recipe": str(distill_recipe(assets, outs["distill"]["ddp"], "ddp"))})
     return cases, outs
 
 
@@ -181,6 +185,42 @@ def same_run(out: Path, reference: Path, weights: str) -> None:
             assert mine[name] == pytest.approx(theirs[name], abs=1e-5), name
     assert all(m["reward_std"] > 0 for m in steps(out))  # the test has something to learn from
     got_w, want_w = (load_file(p / "final" / f"{weights}.safetensors") for p in (out, reference))
+    assert got_w.keys() == want_w.keys() and got_w
+    for name in want_w:
+        torch.testing.assert_close(got_w[name], want_w[name], atol=2e-5, rtol=1e-4, msg=name)
+
+
+def distill_recipe(assets: dict, out: Path, backend: str = "none") -> Path:
+    """On-policy distillation toward a second tiny model (other weights, the same tokenizer)."""
+    from conftest import save_tiny_model
+
+    teacher = assets["root"] / "teacher"
+    if not teacher.exists():
+        save_tiny_model(teacher, seed=1, initializer_range=0.3)
+    world = 1 if backend == "none" else 2
+    data = {
+        "model": {"path": str(assets["model"])},
+        "adapter": {"type": "lora", "init": str(assets["init"])},
+        "data": {"train": str(assets["prompts"]), "format": "prompt", "max_seq_len": 40},
+        "training": {"objective": "distill", "max_steps": 2, "micro_batch_size": 2, "grad_accum": 4 // world,
+                     "lr": 5.0e-3, "scheduler": "constant", "seed": 3},
+        "distill": {"teacher": str(teacher)},
+        "rl": {"num_generations": 2, "max_new_tokens": 6},
+    }  # fmt: skip
+    return written(data, out, "ddp" if world > 1 else "none", world, {})
+
+
+def test_two_ddp_processes_distill_as_one(one_process, backend_runs) -> None:
+    """The same completions, the same loss and KL per step, the same adapter: the teacher replicated on
+    each rank, the divergence divided by the step's completion tokens over both."""
+    out, reference = backend_runs["distill"]["ddp"], one_process["distill"]
+    key = lambda r: (r["step"], json.dumps(r["prompt"]), r["completion_ids"])  # noqa: E731 - order within a step
+    got, want = sorted(map(key, rollouts(out))), sorted(map(key, rollouts(reference)))
+    assert got == want and len(got) == 2 * 8 * 2
+    for mine, theirs in zip(steps(out), steps(reference), strict=True):
+        for name in ("loss", "kl", "completion_length"):
+            assert mine[name] == pytest.approx(theirs[name], abs=1e-5), name
+    got_w, want_w = (load_file(p / "final" / "adapter_model.safetensors") for p in (out, reference))
     assert got_w.keys() == want_w.keys() and got_w
     for name in want_w:
         torch.testing.assert_close(got_w[name], want_w[name], atol=2e-5, rtol=1e-4, msg=name)

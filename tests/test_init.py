@@ -102,7 +102,7 @@ def test_init_refuses_to_overwrite_and_bad_options(tiny_model_dir: Path, tmp_pat
         (
             "--objective",
             "ppo",
-            "error: --objective ppo: choose one of sft, dpo, simpo, orpo, kto, reward, grpo",
+            "error: --objective ppo: choose one of sft, dpo, simpo, orpo, kto, reward, grpo, distill",
         ),
         ("--quantize", "int8", "error: --quantize int8: choose one of none, nf4, fp4"),
         ("--data", str(tmp_path / "none.jsonl"), f"error: --data {tmp_path / 'none.jsonl'}: no such file"),

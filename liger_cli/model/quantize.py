@@ -216,3 +216,23 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(
         a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8)
     )
+
+
+def four_bit_bytes(recipe, model: nn.Module) -> dict[int, tuple[int, int]]:
+    """QLoRA: what each base linear weight takes in 4 bits (id -> (packed bytes, statistics bytes)), as
+    bitsandbytes stores it: two weights a byte (in any storage dtype), one absmax per 64-weight block (a
+    uint8 with double quantization, plus one float32 per 256 blocks and its 256-value code; float32
+    without), and the 16-value code. lm_head and the adapter's own layers are not quantized (tested
+    against a loaded model's state dict). The packed bytes shard; the statistics stay whole."""
+    if recipe.model.quantize == "none":
+        return {}
+    double = recipe.model.quantize_double
+    found = {}
+    for name, module in model.named_modules():
+        if type(module) is not nn.Linear or "lora_" in name or name.rsplit(".", 1)[-1] == "lm_head":
+            continue
+        n = module.weight.numel()
+        blocks = -(-n // BLOCKSIZE)
+        scales = blocks + 4 * -(-blocks // 256) + 256 * 4 if double else 4 * blocks  # + the nested code
+        found[id(module.weight)] = (n // 2, scales + 16 * 4)  # + the 16-value code (quant_map)
+    return found

@@ -167,6 +167,10 @@ def build_plan(recipe: Recipe, model: nn.Module | None = None, env: Mapping[str,
         notes.append("on a CPU the kernels run their PyTorch paths (Triton needs a GPU)")
     if recipe.rl is not None and recipe.rl.agentic:
         notes.append(_rollout_note(recipe))
+    if t.objective == "distill":  # the teacher's tokenizer and forward, checked before any weight loads
+        from liger_cli.model.objectives.distill import check_teacher
+
+        notes.append(check_teacher(recipe))
     return Plan(
         backend=dist.backend,
         num_processes=world,

@@ -175,7 +175,7 @@ def _stored_bytes(recipe: Recipe | None, built: nn.Module) -> dict[int, int]:
     """QLoRA: the base's linear weights at their 4-bit size (packed weights and statistics)."""
     if recipe is None:
         return {}
-    from liger_cli.plan.memory import four_bit_bytes
+    from liger_cli.model.quantize import four_bit_bytes
 
     return {key: packed + stats for key, (packed, stats) in four_bit_bytes(recipe, built).items()}
 

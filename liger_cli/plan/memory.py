@@ -18,12 +18,12 @@ from dataclasses import dataclass, field, replace
 from torch import nn
 
 from liger_cli.errors import UserError
-from liger_cli.model.quantize import BLOCKSIZE, shards_weights
+from liger_cli.model.quantize import four_bit_bytes, shards_weights
 from liger_cli.plan.activations import Activations, measure_activations
 from liger_cli.plan.backends import BACKENDS
 from liger_cli.plan.decide import Plan
 from liger_cli.plan.image_inputs import meta_image_batch
-from liger_cli.plan.memory_objectives import kv_cache_bytes, reference, rows_per_example
+from liger_cli.plan.memory_objectives import kv_cache_bytes, reference, rows_per_example, teacher_bytes
 from liger_cli.recipe import Recipe
 
 MiB = 2**20
@@ -79,6 +79,7 @@ class Settings:
     kv_cache_bytes: int = 0
     """GRPO: the KV cache of sampling one micro-batch's completions (freed before its forward)."""
     score_head: bool = False  # a reward model: a score head, no vocabulary logits (no loss kernel)
+    teacher: int = 0  # distill: the frozen teacher's weights and its hidden states for the step
 
 
 @dataclass(frozen=True)
@@ -203,6 +204,8 @@ def estimate(facts: Facts, s: Settings) -> tuple[dict[str, int], dict[str, str]]
     if s.reference == "copy":  # swapped in for the reference pass: stored (sharded) like the parameters
         parts["reference copy"] = share(facts.trainable_bytes, "parameters")
         notes["reference copy"] = "the starting weights, for the KL term (rl.beta > 0, full fine-tuning)"
+    if s.teacher:  # distill: not sharded, every process holds all of it
+        parts["teacher"], notes["teacher"] = s.teacher, "the frozen teacher's weights and final hidden states"
     mode = "every layer checkpointed" if s.checkpointing else "no checkpointing"
     rows = s.micro_batch * s.rows_per_example
     reference = {
@@ -270,6 +273,7 @@ def settings_of(recipe: Recipe, plan: Plan) -> Settings:
         reference=reference(recipe),
         kv_cache_bytes=kv_cache_bytes(recipe),
         score_head=recipe.training.objective == "reward",
+        teacher=teacher_bytes(recipe, plan.device),
     )
 
 
@@ -378,23 +382,3 @@ def measure_facts(recipe: Recipe, plan: Plan, model: nn.Module) -> Facts:
         pictures=pictures,
         whole_bytes=sum(stats for _, stats in four_bit.values()),
     )
-
-
-def four_bit_bytes(recipe: Recipe, model: nn.Module) -> dict[int, tuple[int, int]]:
-    """QLoRA: what each base linear weight takes in 4 bits (id -> (packed bytes, statistics bytes)), as
-    bitsandbytes stores it: two weights a byte (in any storage dtype), one absmax per 64-weight block (a
-    uint8 with double quantization, plus one float32 per 256 blocks and its 256-value code; float32
-    without), and the 16-value code. lm_head and the adapter's own layers are not quantized (tested
-    against a loaded model's state dict). The packed bytes shard; the statistics stay whole."""
-    if recipe.model.quantize == "none":
-        return {}
-    double = recipe.model.quantize_double
-    found = {}
-    for name, module in model.named_modules():
-        if type(module) is not nn.Linear or "lora_" in name or name.rsplit(".", 1)[-1] == "lm_head":
-            continue
-        n = module.weight.numel()
-        blocks = -(-n // BLOCKSIZE)
-        scales = blocks + 4 * -(-blocks // 256) + 256 * 4 if double else 4 * blocks  # + the nested code
-        found[id(module.weight)] = (n // 2, scales + 16 * 4)  # + the 16-value code (quant_map)
-    return found

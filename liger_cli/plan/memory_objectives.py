@@ -1,5 +1,5 @@
-"""What an objective adds to the memory plan: the sequences per example, its reference, and
-sampling's KV cache (GRPO)."""
+"""What an objective adds to the memory plan: the sequences per example, its reference, sampling's
+KV cache (GRPO, distill) and the teacher (distill)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ def rows_per_example(recipe: Recipe) -> int:
     counted as its nearest neighbour DPO (the completion with gradients, and its mismatched sequence in
     the step's no-grad pass before it; a bound: that pass keeps no activations)."""
     objective = recipe.training.objective
-    if objective == "grpo":
+    if objective in ("grpo", "distill"):
         return recipe.rl.num_generations if recipe.rl else 1
     return 1 if objective == "sft" else 2
 
@@ -32,7 +32,7 @@ def kv_cache_bytes(recipe: Recipe) -> int:
     model's dtype (0 for the other objectives)."""
     from liger_cli.model import model_dtype, read_config
 
-    if recipe.training.objective != "grpo":
+    if recipe.training.objective not in ("grpo", "distill"):
         return 0
     config = read_config(recipe.model.path or recipe.model.config, recipe.model.trust_remote_code)
     text = getattr(config, "get_text_config", lambda: config)()
@@ -41,3 +41,23 @@ def kv_cache_bytes(recipe: Recipe) -> int:
     head_dim = getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else 0)
     rows = recipe.training.micro_batch_size * recipe.rl.num_generations
     return 2 * layers * kv_heads * head_dim * rows * recipe.data.max_seq_len * model_dtype(recipe).itemsize
+
+
+def teacher_bytes(recipe: Recipe, device: str) -> int:
+    """distill: the teacher's weights in the dtype it loads in (every process holds all of them), and
+    its final hidden states for the step's micro-batches of completions at data.max_seq_len (held from
+    sampling to each one's loss); 0 for the other objectives."""
+    if recipe.training.objective != "distill":
+        return 0
+    import torch
+
+    from liger_cli.model import meta_model_from_config
+    from liger_cli.model.objectives.distill import teacher_dtype
+
+    dtype = teacher_dtype(recipe, torch.device(device))
+    meta = meta_model_from_config(recipe.distill.teacher, dtype=dtype)
+    weights = sum(p.numel() for p in meta.parameters()) * dtype.itemsize
+    width = meta.config.get_text_config().hidden_size
+    t = recipe.training
+    rows = t.micro_batch_size * t.grad_accum * recipe.rl.num_generations
+    return weights + rows * recipe.data.max_seq_len * width * dtype.itemsize

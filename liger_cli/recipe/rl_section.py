@@ -1,5 +1,6 @@
 """The recipe's `rl` section: online RL (`training.objective: grpo`) and its variants (DAPO, Dr. GRPO,
-GSPO, CISPO).
+GSPO, CISPO); and the `distill` section: on-policy distillation (`training.objective: distill`), which
+samples with the rl section's sampling keys and nothing else of it.
 
 The names are fixed by what users of other RL trainers know; the math of each option is one line in
 docs/rl.md and in `liger_kernels.grpo`.
@@ -78,10 +79,11 @@ def code_spec(value: str, info: ValidationInfo, what: str) -> str:
 
 
 class RLSection(_Section):
-    """Online RL (training.objective grpo): sampling, the loss variant and the reward functions."""
+    """Online RL (training.objective grpo): sampling, the loss variant and the reward functions; distill
+    uses its sampling keys only."""
 
-    num_generations: int = Field(8, ge=2)
-    """G completions sampled per prompt (a group; its rewards are compared with each other)."""
+    num_generations: int = Field(8, ge=1)
+    """G completions sampled per prompt (grpo: a group of at least 2, its rewards compared with each other)."""
     max_new_tokens: int = Field(256, ge=1)
     """Most tokens sampled per completion."""
     temperature: float = Field(1.0, gt=0)
@@ -110,8 +112,8 @@ class RLSection(_Section):
     """Weigh each token's loss by min(p_trainer / p_sampler, cap) (truncated importance sampling)."""
     engine: Literal["transformers"] = "transformers"
     """What samples: liger's engine on the model being trained (the only one for now)."""
-    rewards: list[RewardSpec] = Field(min_length=1)
-    """The reward functions, each {function, weight}; rewards are their weighted sum."""
+    rewards: list[RewardSpec] = Field(default_factory=list)
+    """The reward functions, each {function, weight}; rewards are their weighted sum (grpo: at least one)."""
     tools: list[str] = Field(default_factory=list)
     """Functions the model may call, each `file.py:name` or `package.module:name` (typed arguments and a
     docstring describing each: their JSON schemas go to the chat template's `tools=`)."""
@@ -144,6 +146,7 @@ class RLSection(_Section):
             )
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
+            self.__pydantic_fields_set__.discard("epsilon_high")  # a default, not the recipe's
         if self.tools and self.environment:
             raise ValueError("rl.tools and rl.environment: give one (an environment's methods are its tools)")
         default = type(self).model_fields["max_turns"].default  # what a run's saved recipe.yaml holds
@@ -157,18 +160,62 @@ class RLSection(_Section):
         return bool(self.tools or self.environment)
 
 
+SAMPLING = ("num_generations", "max_new_tokens", "temperature", "top_p", "top_k", "engine")
+"""The rl keys that say how completions are sampled: all that a distill run's rl section holds."""
+
+
+class DistillSection(_Section):
+    """On-policy distillation (training.objective distill): the frozen teacher and the divergence to it."""
+
+    teacher: RelPath
+    """The teacher: a local Hugging Face model folder with the student's tokenizer (ids and special tokens)."""
+    loss: Literal["reverse_kl", "jsd"] = "reverse_kl"
+    """reverse_kl: KL(student || teacher) per completion token; jsd: TRL GKD's generalized JSD (see beta)."""
+    beta: float = Field(0.5, ge=0, le=1)
+    """jsd only: TRL GKD's beta, the teacher's weight in the mixture (0: forward KL, 1: reverse KL)."""
+    temperature: float = Field(1.0, gt=0)
+    """Both models' distributions are softmax(logits / temperature) in the divergence."""
+
+    @model_validator(mode="after")
+    def _applies(self) -> DistillSection:
+        if self.loss == "reverse_kl" and "beta" in self.model_fields_set:
+            raise ValueError("distill.beta applies to distill.loss jsd only; remove it")
+        if not (self.teacher / "config.json").is_file():
+            raise ValueError(
+                f"distill.teacher {self.teacher}: no config.json there; give a local model folder "
+                "(e.g. one written by liger merge)"
+            )
+        return self
+
+
 def check_rl(recipe) -> None:
-    """A recipe that trains online RL, or names part of it: prompts in, the rl section's rewards; what
-    liger cannot do yet is refused (the Recipe's validator calls this)."""
-    if recipe.training.objective != "grpo":
+    """A recipe that trains online (grpo, distill), or names part of it: prompts in, the rl section's
+    rewards (grpo) or its sampling keys only (distill); what liger cannot do yet is refused (the
+    Recipe's validator calls this)."""
+    objective = recipe.training.objective
+    if objective not in ("grpo", "distill"):
         what = "data.format prompt" if recipe.data.format == "prompt" else "the rl section"
-        raise ValueError(f"{what} goes with training.objective grpo: set it, or remove {what}")
+        what = "the distill section" if recipe.distill is not None else what
+        raise ValueError(f"{what} goes with training.objective grpo or distill: set it, or remove {what}")
     if recipe.data.format != "prompt":
-        raise ValueError("training.objective grpo samples from prompts: set data.format: prompt")
-    if recipe.rl is None:
+        raise ValueError(f"training.objective {objective} samples from prompts: set data.format: prompt")
+    if objective == "distill":
+        check_distill(recipe)
+    elif recipe.distill is not None:
+        raise ValueError("the distill section applies to training.objective distill; remove it")
+    elif recipe.rl is None:
         raise ValueError(
             "training.objective grpo needs an rl section with rewards, e.g. "
             "rl: {rewards: [{function: liger_cli.rewards:exact_match}]}"
+        )
+    elif not recipe.rl.rewards:
+        raise ValueError(
+            "training.objective grpo needs rl.rewards, at least one, e.g. "
+            "rl: {rewards: [{function: liger_cli.rewards:exact_match}]}"
+        )
+    elif recipe.rl.num_generations < 2:
+        raise ValueError(
+            "rl.num_generations 1: grpo compares the completions of a prompt with each other; set at least 2"
         )
     if "preference" in recipe.model_fields_set:
         raise ValueError("the preference section applies to dpo, simpo and orpo; remove it")
@@ -180,11 +227,58 @@ def check_rl(recipe) -> None:
         raise ValueError("data.packing and data.streaming do not apply to prompts; set them to false")
     if recipe.training.eval_samples:
         raise ValueError(
-            "training.eval_samples: a grpo run logs eval_reward from greedy completions of every eval "
-            "prompt, and writes every completion to rollouts.jsonl; remove training.eval_samples"
+            "training.eval_samples: a grpo or distill run evaluates greedy completions of every eval prompt "
+            "(eval_reward, eval_kl), and writes every completion to rollouts.jsonl; remove training.eval_samples"
         )
     if recipe.rl.max_new_tokens >= recipe.data.max_seq_len:
         raise ValueError(
             f"rl.max_new_tokens {recipe.rl.max_new_tokens} leaves no room for the prompt in data.max_seq_len "
             f"{recipe.data.max_seq_len}: raise data.max_seq_len or lower rl.max_new_tokens"
         )
+
+
+def check_distill(recipe) -> None:
+    """training.objective distill: a teacher, the rl section's sampling keys only, and what is not done yet
+    refused (sharded backends, a 4-bit base)."""
+    if recipe.distill is None:
+        raise ValueError(
+            "training.objective distill needs a distill section with the teacher, e.g. "
+            "distill: {teacher: path/to/teacher_model}"
+        )
+    if recipe.rl is None:
+        raise ValueError(
+            "training.objective distill samples with the rl section's keys: add one, e.g. "
+            "rl: {num_generations: 1, max_new_tokens: 64}"
+        )
+    other = sorted(recipe.rl.model_fields_set - set(SAMPLING))
+    if other:
+        raise ValueError(
+            f"rl.{', rl.'.join(other)} {'does' if len(other) == 1 else 'do'} not apply to training.objective "
+            "distill (its rl section holds the "
+            f"sampling keys only: {', '.join(SAMPLING)}); remove them"
+        )
+    backend = recipe.distributed.backend
+    if backend in ("fsdp1", "fsdp2", "deepspeed"):
+        raise ValueError(
+            f"training.objective distill with distributed.backend {backend}: the teacher is not sharded yet "
+            "(each process holds all of it); set distributed.backend ddp (or none)"
+        )
+    if recipe.model.quantize != "none":
+        raise ValueError(
+            f"training.objective distill with model.quantize {recipe.model.quantize}: a 4-bit teacher is not "
+            "supported yet (nor a 4-bit student beside a full-precision one); set model.quantize: none"
+        )
+
+
+def dump_online(recipe, data: dict) -> None:
+    """The rl and distill sections as a run's recipe.yaml holds them (Recipe.to_yaml): absent when not
+    given; a distill run's rl section with its sampling keys only and distill.beta with jsd only (the
+    others are refused when the file is read again)."""
+    if data["rl"] is None:
+        del data["rl"]
+    elif recipe.training.objective == "distill":
+        data["rl"] = {k: v for k, v in data["rl"].items() if k in SAMPLING}
+    if data["distill"] is None:
+        del data["distill"]
+    elif recipe.distill.loss == "reverse_kl":
+        del data["distill"]["beta"]

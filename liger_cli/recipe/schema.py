@@ -25,7 +25,7 @@ from liger_cli.recipe.distributed_section import DistributedSection, split_names
 from liger_cli.recipe.kto_section import KtoSection, check_kto
 from liger_cli.recipe.preference_section import PreferenceSection
 from liger_cli.recipe.reward_section import RewardSection, check_reward
-from liger_cli.recipe.rl_section import RLSection, check_rl
+from liger_cli.recipe.rl_section import DistillSection, RLSection, check_rl, dump_online
 
 
 class ModelSection(_Section):
@@ -177,10 +177,11 @@ class TrainingSection(_Section):
     the share equal to their reference answer is logged as eval_sample_match."""
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     """Mixed precision; auto: bf16/fp16 on a GPU, fp32 on a CPU."""
-    objective: Literal["sft", "dpo", "simpo", "orpo", "kto", "reward", "grpo"] = "sft"
+    objective: Literal["sft", "dpo", "simpo", "orpo", "kto", "reward", "grpo", "distill"] = "sft"
     """sft: the causal-LM loss on the learned tokens; dpo, simpo, orpo and reward (a score head): preference
     pairs (data.format preference); kto: labelled completions (data.format unpaired); grpo: online RL on
-    prompts (data.format prompt) with the rl section's rewards."""
+    prompts (data.format prompt) with the rl section's rewards; distill: on-policy distillation on
+    prompts toward the distill section's teacher."""
 
     @model_validator(mode="after")
     def _one_length(self) -> TrainingSection:
@@ -269,12 +270,14 @@ class Recipe(_Section):
     reward: RewardSection | None = None
     kto: KtoSection = Field(default_factory=KtoSection)
     rl: RLSection | None = None
+    distill: DistillSection | None = None
 
     @model_validator(mode="after")
     def _objective_and_data(self) -> Recipe:
         objective, fmt = self.training.objective, self.data.format
         self._vision_needs()
-        if objective == "grpo" or fmt == "prompt" or self.rl is not None:
+        online = objective in ("grpo", "distill")
+        if online or fmt == "prompt" or self.rl is not None or self.distill is not None:
             check_rl(self)
             return self
         if objective == "kto" or fmt == "unpaired" or "kto" in self.model_fields_set:
@@ -353,12 +356,12 @@ class Recipe(_Section):
 
     def to_yaml(self) -> str:
         data = self.model_dump(mode="json")
-        for section in ("rl", "reward"):  # optional sections, left out when not given
-            if data[section] is None:
-                del data[section]
+        dump_online(self, data)
+        if data["reward"] is None:  # optional, left out when not given
+            del data["reward"]
         if self.training.objective != "kto":  # only kto's recipes hold it
             del data["kto"]
-        if self.training.objective in ("sft", "grpo", "kto", "reward"):
+        if self.training.objective in ("sft", "grpo", "distill", "kto", "reward"):
             del data["preference"]  # sft recipes read as they always did
         else:  # the options the objective honours, resolved; the others would be refused on reload
             applies = self.preference.applies(self.training.objective)

@@ -32,10 +32,16 @@ OBJECTIVE_FORMAT = {
     "reward": "preference",
     "kto": "unpaired",
     "grpo": "prompt",
+    "distill": "prompt",
 }
 FIRST_ROW_FORMAT = (("messages", "chat"), ("instruction", "instruction"), ("text", "text"))
-# sections only some objectives take
-SKIPPED = {"preference": ("dpo", "simpo", "orpo"), "kto": ("kto",), "reward": ("reward",), "rl": ("grpo",)}
+SKIPPED = {
+    "preference": ("dpo", "simpo", "orpo"),
+    "kto": ("kto",),
+    "reward": ("reward",),
+    "rl": ("grpo", "distill"),
+    "distill": ("distill",),
+}  # sections only some objectives take
 
 
 def _choices(section: type[BaseModel], key: str) -> tuple[Any, ...]:
@@ -90,6 +96,9 @@ def _chosen(file: Path, model: Path, data: str, objective: str, quantize: str, b
         chosen["distributed"] = {"backend": backend}
     if objective == "grpo":
         chosen["rl"] = {"rewards": [{"function": "liger_cli.rewards:exact_match"}]}
+    if objective == "distill":  # a stand-in that loads: the student itself (set your teacher)
+        chosen["distill"] = {"teacher": chosen["model"]["path"]}
+        chosen["rl"] = {}
     return chosen
 
 
@@ -164,6 +173,10 @@ def starter_text(file: Path, model: Path, data: str, objective: str, quantize: s
     if objective == "grpo":
         lines.append(
             "# rl.rewards: exact_match gives 1.0 where a completion equals the row's `answer` field."
+        )
+    if objective == "distill":
+        lines.append(
+            "# distill.teacher: the student's own folder stands in; set your teacher (same tokenizer)."
         )
     recipe = copy.deepcopy(chosen)  # what is set so far: each default is added only where it is accepted
     refused = _accepts(recipe, folder)

@@ -1,4 +1,4 @@
-"""What an online objective (GRPO) needs of the run: a sampler on the model as the backend wraps it,
+"""What an online objective (GRPO, distillation) needs of the run: a sampler on the model as the backend wraps it,
 reductions over the processes, the prompts checked, every completion written to `rollouts.jsonl`, and
 evaluation by reward.
 
@@ -97,6 +97,15 @@ class Sampler:
         turn's is its ids decoded without stop and special tokens)."""
         return str(trajectory.messages[-1].get("content") or "")
 
+    def eval_prompts(self, dataset) -> tuple[list[dict], list[bool]]:
+        """This process's share of the eval prompts, padded by repeats so every process makes the same
+        calls, and which of them are real (not a repeat)."""
+        world, rank = self.backend.accelerator.num_processes, self.backend.accelerator.process_index
+        n = len(dataset)
+        share = -(-n // world)
+        mine = [i % n for i in range(rank * share, (rank + 1) * share)]
+        return [dataset[i] for i in mine], [rank * share + k < n for k in range(share)]
+
     def any_live(self, local: bool) -> bool:
         """Whether any process still has a trajectory running."""
         return bool(self.reduce(torch.tensor([float(local)]), "max")[0] > 0)
@@ -145,12 +154,7 @@ def write_rollouts(out: Path, rows: list[dict], main: bool) -> None:
 
 def evaluate_rewards(objective, sampler: Sampler, dataset) -> dict[str, float]:
     """`eval_reward` and `eval_rewards/<function>`: one greedy trajectory per eval prompt, scored."""
-    world, rank = sampler.backend.accelerator.num_processes, sampler.backend.accelerator.process_index
-    n = len(dataset)
-    share = -(-n // world)
-    mine = [i % n for i in range(rank * share, (rank + 1) * share)]  # padded by repeats: equal calls
-    real = [rank * share + k < n for k in range(share)]
-    prompts = [dataset[i] for i in mine]
+    prompts, real = sampler.eval_prompts(dataset)
     trajectories = sampler.trajectories(prompts, [f"eval:{p['row']}" for p in prompts], greedy=True)
     totals, per_function = objective.score(trajectories, prompts, sampler.text)
     keep = torch.tensor(real, dtype=torch.float64)

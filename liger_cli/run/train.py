@@ -105,7 +105,7 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
     )
     objective.prepare(reference)  # before any weight changes
     if getattr(objective, "online", False):
-        # grpo's starting weights, before a resume loads trained ones
+        # grpo's starting weights, before a resume loads trained ones; distill's teacher
         objective.keep_reference(trainer.model, backend.stored_trainable)
     if output.resume_from is not None:
         resume(trainer, output.resume_from)
@@ -257,8 +257,9 @@ def fit(trainer: Trainer) -> dict[str, float]:
         sampler = Sampler(recipe, backend, model, data.tokenizer)
 
     def run_eval(at: int, echo) -> None:
-        if online:
-            found = evaluate_rewards(objective, sampler, data.eval)
+        if online:  # an objective's own evaluation (distill: eval_kl), else by reward (grpo)
+            own = getattr(objective, "evaluate", None)
+            found = own(model, sampler, data.eval) if own else evaluate_rewards(objective, sampler, data.eval)
         else:
             found = evaluate(
                 model, data.eval, accelerator, objective, t.micro_batch_size, pad_id, data.filler
@@ -339,7 +340,8 @@ def fit(trainer: Trainer) -> dict[str, float]:
             metrics_log.write(step, last, log)
             if online and objective.samples:
                 shown = objective.samples[0]
-                log(f"sample: {shown['completion'][:80]!r} reward {shown['reward']:.3g}")
+                scored = f" reward {shown['reward']:.3g}" if "reward" in shown else ""  # grpo's
+                log(f"sample: {shown['completion'][:80]!r}{scored}")
             progress.set_postfix(loss=f"{last['loss']:.4g}", lr=f"{last['lr']:.2e}", refresh=False)
             window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
         if data.eval is not None and t.eval_every and step % t.eval_every == 0 and step < data.total_steps:

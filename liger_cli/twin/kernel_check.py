@@ -279,6 +279,8 @@ def _first(err: BaseException) -> str:
 
 
 def _loss_name(objective) -> str:
+    if hasattr(objective, "twin_loss"):  # distill
+        return f"the {objective.twin_loss} on rollouts"
     if hasattr(objective, "twin_batch"):
         return f"the grpo loss ({objective.rl.loss}) on rollouts"
     return f"the {objective.objective} loss on {objective.unit}s"

@@ -154,7 +154,7 @@ def _accumulation_verdict(model: nn.Module, name: str, grad_accum: int, processe
             "label token": "uneven label counts",
             "pair": f"{getattr(objective, 'objective', '')} loss on pairs",
             "completion": f"{getattr(objective, 'objective', '')} loss on labelled completions",
-        }.get(objective.unit, f"grpo loss on {objective.unit}s")
+        }.get(objective.unit, f"{getattr(objective, 'twin_loss', 'grpo loss')} on {objective.unit}s")
         return Verdict(f"{ACCUMULATION_HEAD} (padding, {what}): loss and every gradient agree")
     if grad_accum == 1 and processes == 1:
         return Verdict(

@@ -65,8 +65,9 @@ class Objective(Protocol):
 def objective_for(recipe: Recipe) -> Objective:
     """The recipe's `training.objective`: sft (the causal-LM loss over label tokens), a preference
     objective (a loss per pair: dpo, simpo, orpo), a reward model (the Bradley-Terry loss per pair), kto (a loss
-    per labelled completion), or grpo (online RL; its reward functions are
-    imported here, so a broken one stops the run before the model is built)."""
+    per labelled completion), grpo (online RL; its reward functions are imported here, so a broken one
+    stops the run before the model is built) or distill (online: the student's samples, a divergence to
+    a frozen teacher per token)."""
     objective = recipe.training.objective
     if objective == "sft":
         return CausalLM()
@@ -83,4 +84,8 @@ def objective_for(recipe: Recipe) -> Objective:
         from liger_cli.model.objectives.reward import Reward
 
         return Reward(recipe.reward)
+    if objective == "distill":  # online too (distill.py); its teacher loads before the first step
+        from liger_cli.model.objectives.distill import Distill
+
+        return Distill(recipe)
     return Preference(objective, recipe.preference, adapter=recipe.adapter.type != "none")

@@ -1,0 +1,398 @@
+"""On-policy distillation: an online objective. Each step's prompts are sampled by the student as it
+trains (the rl section's sampling keys, through the run's sampler: the generation engine on the model
+as its backend wraps it, keyed by (seed, step, prompt row, completion) as GRPO's rollouts are), and the
+loss on every sampled token is the divergence between the student's and a frozen teacher's
+next-token distributions over the whole vocabulary (`distill.loss`: reverse KL, or TRL GKD's
+generalized JSD with `distill.beta`), at `distill.temperature`.
+
+Neither model's [tokens, vocab] logits exist on the fused path: the teacher's forward (no gradient,
+eval mode, right after sampling) hands its lm_head's input to a swapped loss_function, which keeps it
+(the teacher's final hidden states, [B, T, Ht]); the student's own forward hands its lm_head's input to
+`liger_kernels.fused_linear_divergence` with the teacher's hidden states and head, inside the
+causal-LM module's forward (where a backend has gathered the head). Without our fused loss patched
+into the student, the student's logits arrive and the teacher's are made from its hidden states and
+head: the same numbers, the logits held (as every objective does with its kernels off).
+
+The loss is the sum of the divergence over completion tokens divided by the step's global count of
+completion tokens, like every objective, so neither accumulation nor processes change it. The
+teacher is loaded once (`keep_reference`, on the prepared model's device, in the run's precision),
+frozen, with our fused-loss interception patched in (the only kernel it gets: it changes no number);
+its tokenizer is checked against the student's before anything loads weights (`check_teacher`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import torch
+from torch import nn
+
+from liger_cli.data.encode import IGNORE_INDEX, collate
+from liger_cli.errors import UserError
+from liger_cli.model.objectives.grpo import _shifted
+from liger_cli.model.objectives.preference import find_causal_lm, kept_flags, loss_function_swapped
+
+NAMES = ("input_ids", "labels", "attention_mask", "position_ids")  # what each forward takes from a batch
+
+
+class Distill:
+    online = True
+    unit = "completion token"
+
+    def __init__(self, recipe):
+        self.recipe, self.rl, self.settings = recipe, recipe.rl, recipe.distill
+        self.step_stats: dict[str, float] = {}  # the last rollout's metrics (all completions, all processes)
+        self.samples: list[dict] = []
+        """The last rollout's rows for rollouts.jsonl (this process's completions)."""
+        self.teacher: nn.Module | None = None
+        self._head: tuple | None = None  # the teacher's lm_head weight and bias (or a twin's stand-in)
+
+    @property
+    def twin_loss(self) -> str:  # how the twin's checks name this loss in the Plan
+        return f"distill loss ({self.settings.loss})"
+
+    # --- what the loop asks -------------------------------------------------------------------------
+
+    def data_step(self, step: int) -> int:
+        return step
+
+    def keep_reference(self, model: nn.Module, stored) -> None:
+        """Called once on the prepared model before its first step: the teacher is loaded here, on the
+        model's device."""
+        self.teacher = load_teacher(self.recipe, next(model.parameters()).device)
+        head = find_causal_lm(self.teacher).lm_head
+        self._head = (head.weight, head.bias)
+
+    def rollout(self, step: int, examples: list[list[dict]], model, sample, reduce) -> list[dict]:
+        """The step's micro-batches: G completions of each prompt sampled by the student, then the
+        teacher's final hidden states on them (no gradient)."""
+        start = time.perf_counter()
+        micro, rows = [], []
+        for prompts in examples:
+            keys = [f"{step}:{p['row']}:{k}" for p in prompts for k in range(self.rl.num_generations)]
+            prompts = [p for p in prompts for _ in range(self.rl.num_generations)]
+            trajectories = sample.trajectories(prompts, keys)
+            micro.append(self._batch(trajectories, sample.tokenizer.pad_token_id))
+            rows += [
+                {"step": step + 1, "prompt": json.loads(p["prompt"]), "prompt_ids": t.segments[0].prompt_ids,
+                 "completion": sample.text(t), "completion_ids": t.segments[0].ids,
+                 "sampler_logprobs": t.segments[0].logprobs, "finish_reason": t.finish_reason}
+                for p, t in zip(prompts, trajectories, strict=True)
+            ]  # fmt: skip
+        sampled = time.perf_counter()
+        for batch in micro:
+            batch["teacher_hidden"] = self._teacher_hidden(batch)
+        self.step_stats = _length_stats(rows, reduce) | {
+            "time/sampling_s": sampled - start,
+            "time/rollout_s": time.perf_counter() - start,
+        }
+        self.samples = rows
+        return micro
+
+    def units(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return batch["completion_mask"].sum()
+
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor], num_items: torch.Tensor):
+        """The divergence summed over completion tokens / the step's completion tokens; `kl`, the mean
+        KL(student || teacher) at distill.temperature, the same way (the loss itself with reverse_kl)."""
+        divergence, learned, kl = self.divergences(model, batch)
+        divide = num_items.to(divergence.device, divergence.dtype)
+        return (divergence * learned).sum() / divide, {"kl": (kl * learned).sum() / divide}
+
+    def collate(self, examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+        """The prompts alone as a batch (the final check's probe); training batches come from rollout."""
+        features = [{"input_ids": e["prompt_ids"], "labels": e["prompt_ids"],
+                     "position_ids": list(range(len(e["prompt_ids"])))} for e in examples]  # fmt: skip
+        return collate(features, pad_id)
+
+    def prepare(self, precompute) -> None:
+        return None
+
+    def checkpoint_state(self) -> None:  # a step's completions are a function of seed, step and weights
+        return None
+
+    def start_note(self, first: dict[str, float]) -> str | None:
+        return None
+
+    def evaluate(self, model: nn.Module, sampler, dataset) -> dict[str, float]:
+        """`eval_kl`: the mean KL(student || teacher) per token of the student's greedy completion of every
+        eval prompt; `eval_exact_match` too when every eval row has an `answer` (the share of completions
+        equal to it, stripped, as liger_cli.rewards:exact_match scores)."""
+        prompts, real = sampler.eval_prompts(dataset)
+        trajectories = sampler.trajectories(prompts, [f"eval:{p['row']}" for p in prompts], greedy=True)
+        per_row, tokens = [], []
+        rows = self.recipe.training.micro_batch_size * self.rl.num_generations  # a training micro-batch's
+        with torch.no_grad(), kept_flags(model):
+            model.eval()
+            for i in range(0, len(trajectories), rows):
+                batch = self._batch(trajectories[i : i + rows], sampler.tokenizer.pad_token_id)
+                batch["teacher_hidden"] = self._teacher_hidden(batch)
+                _, learned, kl = self.divergences(model, batch)
+                per_row.append((kl * learned).sum(1).double().cpu())
+                tokens.append(learned.sum(1).double().cpu())
+        keep = torch.tensor(real, dtype=torch.float64)
+        sums = [(torch.cat(per_row) * keep).sum(), (torch.cat(tokens) * keep).sum()]
+        answers = [json.loads(p["fields"]).get("answer") for p in prompts]
+        graded = all(a is not None for a in answers)
+        if graded:
+            right = [
+                float(sampler.text(t).strip() == str(a).strip())
+                for t, a in zip(trajectories, answers, strict=True)
+            ]
+            sums += [(torch.tensor(right, dtype=torch.float64) * keep).sum(), keep.sum()]
+        total = sampler.reduce(torch.stack([torch.as_tensor(s, dtype=torch.float64) for s in sums])).tolist()
+        found = {"eval_kl": total[0] / max(total[1], 1.0)}
+        if graded:
+            found["eval_exact_match"] = total[2] / max(total[3], 1.0)
+        return found
+
+    def twin_batch(self, vocab: int, pad_id: int, rows: int = 4, seed: int = 0) -> dict[str, torch.Tensor]:
+        """Rollout rows as `rollout` makes them (prompts and completions of different lengths), with random
+        ids below `vocab` and a random stand-in for the teacher (hidden states of width 8 and a head), for
+        the twin's checks: its kernels and accumulation are proved on this objective's loss."""
+        g = torch.Generator().manual_seed(seed)
+        features = []
+        for i in range(rows):
+            prompt = torch.randint(3, vocab, (3 + i % 3,), generator=g).tolist()
+            completion = torch.randint(3, vocab, (2 + (i * 5) % 7,), generator=g).tolist()
+            features.append({"input_ids": prompt + completion, "labels": [IGNORE_INDEX] * len(prompt) + completion,
+                             "position_ids": list(range(len(prompt) + len(completion)))})  # fmt: skip
+        batch = collate(features, pad_id)
+        batch["completion_mask"] = _shifted(batch["labels"]) != IGNORE_INDEX
+        batch["teacher_hidden"] = torch.randn(*batch["input_ids"].shape, 8, generator=g)
+        self._head = (torch.randn(vocab, 8, generator=g), None)
+        return batch
+
+    # --- the two forwards ---------------------------------------------------------------------------
+
+    def divergences(self, model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per position t, the divergence of the student's distribution of token t + 1 from the teacher's,
+        whether t + 1 is a completion token, and KL(student || teacher) (each [B, T], fp32), through the
+        student's own forward with its loss_function swapped for the call."""
+        device = next(p for p in model.parameters()).device
+        inputs = {k: batch[k].to(device) for k in NAMES if k in batch}
+        weight, bias = self._head
+        function = divergence_loss(batch["teacher_hidden"].to(device), weight, bias, self.settings)
+        causal_lm = find_causal_lm(model)
+        with loss_function_swapped(causal_lm, function):
+            output = model(**inputs)
+        stacked = output.loss
+        if stacked is None or stacked.dim() != 3 or stacked.shape != (3, *batch["input_ids"].shape):
+            raise RuntimeError(
+                f"{type(causal_lm).__name__}.forward changed what its loss_function returned: distill needs "
+                "the per-token divergences untouched"
+            )
+        return stacked[0], stacked[1], stacked[2]
+
+    def _teacher_hidden(self, batch: dict) -> torch.Tensor:
+        """The teacher's final hidden states (its lm_head's input) on the batch: no gradient, eval mode."""
+        found: list[torch.Tensor] = []
+
+        def keep(logits, labels, *args, **kwargs):
+            from liger_kernels.patch_loss import DeferredLogits
+
+            if not isinstance(logits, DeferredLogits):
+                raise RuntimeError(
+                    "the teacher's forward did not defer its logits (fused loss not patched in)"
+                )
+            found.append(logits.hidden)
+            return logits.hidden.new_zeros(())
+
+        keep.liger_logprobs = True  # it takes lm_head's input itself, in eval mode too
+        device = self._head[0].device
+        with torch.no_grad(), loss_function_swapped(find_causal_lm(self.teacher), keep):
+            self.teacher(**{k: batch[k].to(device) for k in NAMES if k in batch})
+        return found[0]
+
+    def _batch(self, trajectories: list, pad_id: int) -> dict[str, torch.Tensor]:
+        """Prompt then completion per trajectory; the completion's ids are learned."""
+        features = []
+        for t in trajectories:
+            segment = t.segments[0]
+            features.append({"input_ids": segment.prompt_ids + segment.ids,
+                             "labels": [IGNORE_INDEX] * len(segment.prompt_ids) + segment.ids,
+                             "position_ids": list(range(len(segment.prompt_ids) + len(segment.ids)))})  # fmt: skip
+        batch = collate(features, pad_id)
+        batch["completion_mask"] = _shifted(batch["labels"]) != IGNORE_INDEX
+        return batch
+
+
+def divergence_loss(teacher_hidden: torch.Tensor, weight: torch.Tensor, bias, settings):
+    """A loss_function for the student's forward: per position, the divergence from the teacher, whether
+    the next token is learned, and KL(student || teacher), stacked as [3, B, T] (fp32). Given lm_head's
+    deferred input (our fused loss patched in) it never builds logits (`fused_linear_divergence`);
+    given the student's logits, it makes the teacher's and computes the same formula on them."""
+    from liger_kernels import fused_linear_divergence
+    from liger_kernels.fused_linear_logprob import shift_labels as shift
+    from liger_kernels.patch_loss import DeferredLogits
+
+    loss, beta, temperature = settings.loss, settings.beta, settings.temperature
+    reverse = loss == "reverse_kl" or beta == 1.0
+
+    def loss_function(
+        logits,
+        labels,
+        vocab_size=None,
+        num_items_in_batch=None,
+        ignore_index=-100,
+        shift_labels=None,
+        **kwargs,
+    ):
+        targets = shift_labels if shift_labels is not None else shift(labels, ignore_index)
+        if isinstance(logits, DeferredLogits):
+            head = logits.lm_head
+            args = (logits.hidden, head.weight, teacher_hidden, weight, targets.to(logits.hidden.device))
+            options = {"temperature": temperature, "student_bias": head.bias, "teacher_bias": bias,
+                       "ignore_index": ignore_index, "shift": False}  # fmt: skip
+            divergence, learned = fused_linear_divergence(*args, loss=loss, beta=beta, **options)
+            if reverse:
+                kl = divergence.detach()
+            else:
+                with torch.no_grad():
+                    kl = fused_linear_divergence(*args, loss="reverse_kl", **options)[0]
+        else:
+            learned = targets.to(logits.device) != ignore_index
+            teacher_logits = nn.functional.linear(teacher_hidden, weight, bias)
+            divergence = plain_divergence(logits, teacher_logits, loss, beta, temperature) * learned
+            kl = divergence.detach() if reverse else plain_divergence(
+                logits.detach(), teacher_logits, "reverse_kl", beta, temperature
+            ) * learned  # fmt: skip
+        return torch.stack([divergence.float(), learned.float(), kl.float()])
+
+    loss_function.liger_logprobs = True  # not a loss over labels: wanted in eval mode too
+    return loss_function
+
+
+def plain_divergence(
+    student_logits, teacher_logits, loss: str, beta: float, temperature: float
+) -> torch.Tensor:
+    """The divergence per position from both models' logits ([..., V] -> [...], fp32): what
+    fused_linear_divergence computes without the logits (TRL GKD's generalized JSD; beta 0 is forward
+    KL, beta 1 and reverse_kl are KL(student || teacher))."""
+    log_ps = torch.log_softmax(student_logits.float() / temperature, dim=-1)
+    log_pt = torch.log_softmax(teacher_logits.float() / temperature, dim=-1)
+    if loss == "reverse_kl" or beta == 1.0:
+        return (log_ps.exp() * (log_ps - log_pt)).sum(-1)
+    if beta == 0.0:
+        return (log_pt.exp() * (log_pt - log_ps)).sum(-1)
+    log_m = torch.logaddexp(log_ps + math.log1p(-beta), log_pt + math.log(beta))
+    return (beta * log_pt.exp() * (log_pt - log_m) + (1 - beta) * log_ps.exp() * (log_ps - log_m)).sum(-1)
+
+
+def _length_stats(rows: list[dict], reduce) -> dict[str, float]:
+    """Completion lengths (mean, min, max) and the share cut at max_new_tokens, over every process."""
+    lengths = torch.tensor([len(r["completion_ids"]) for r in rows], dtype=torch.float64)
+    cut = torch.tensor([r["finish_reason"] == "length" for r in rows], dtype=torch.float64)
+    n, total, clipped = reduce(
+        torch.stack([torch.tensor(float(len(rows))), lengths.sum(), cut.sum()])
+    ).tolist()
+    low, high = reduce(torch.stack([-lengths.min(), lengths.max()]), "max").tolist()
+    return {"completion_length": total / n, "completion_length_min": -low, "completion_length_max": high,
+            "clipped_ratio": clipped / n}  # fmt: skip
+
+
+# --- the teacher: checked before weights load, then loaded once --------------------------------------------
+
+
+def teacher_dtype(recipe, device: torch.device) -> torch.dtype:
+    """The run's precision: model.dtype when set, else bf16 or fp16 under that mixed precision (a frozen
+    teacher needs no fp32 master weights), else float32."""
+    from liger_cli.model.build import DTYPES
+
+    if recipe.model.dtype != "auto":
+        return DTYPES[recipe.model.dtype]
+    precision = recipe.training.precision
+    if precision == "auto" and device.type == "cuda":
+        precision = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+
+
+def check_teacher(recipe) -> str:
+    """The Plan's note on the teacher, or a UserError before any weight loads: its tokenizer must be the
+    student's (every id, every special token), its head the student's vocabulary size, and its forward
+    must hand lm_head's input straight to its loss (probed on the meta device)."""
+    from transformers import AutoTokenizer
+
+    from liger_cli.data.tokenizer import load_tokenizer
+    from liger_cli.model.build import meta_model_from_config, read_config
+    from liger_cli.model.vision import is_vision_language
+
+    path = recipe.distill.teacher
+    try:
+        theirs = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(
+            f"distill.teacher {path}: no tokenizer loads from it ({first}); save the student's tokenizer there"
+        ) from None
+    ours = load_tokenizer(recipe)
+    if why := tokenizer_difference(ours, theirs):
+        raise UserError(
+            f"distill.teacher {path}: its tokenizer is not the student's ({why}); distillation compares "
+            "distributions over one vocabulary: use a teacher trained with the student's tokenizer"
+        )
+    config = read_config(path)
+    student = read_config(recipe.model.path or recipe.model.config, recipe.model.trust_remote_code)
+    sizes = [getattr(c.get_text_config(), "vocab_size", None) for c in (student, config)]
+    if is_vision_language(config):
+        raise UserError(f"distill.teacher {path}: a vision-language model; the teacher must be a causal LM")
+    if sizes[0] != sizes[1]:
+        raise UserError(
+            f"distill.teacher {path}: its head has {sizes[1]} rows, the student's {sizes[0]}; distillation "
+            "needs one vocabulary (the same tokenizer and vocab_size)"
+        )
+    meta = meta_model_from_config(path, dtype=torch.float32)
+    if why := _deferral_refusal(meta):
+        raise UserError(f"distill.teacher {path}: {why}; distill reads the teacher's lm_head input")
+    count = sum(p.numel() for p in meta.parameters())
+    return (
+        f"distill: teacher {path} ({count:,} parameters, frozen, no gradient), its tokenizer the student's "
+        f"({len(ours)} ids); {recipe.distill.loss} at temperature {recipe.distill.temperature:g} on every "
+        "sampled token"
+    )
+
+
+def tokenizer_difference(ours, theirs) -> str | None:
+    """What differs between two tokenizers' ids and special tokens, or None."""
+    if len(ours) != len(theirs):
+        return f"{len(theirs)} ids, the student's {len(ours)}"
+    mine, other = ours.get_vocab(), theirs.get_vocab()
+    if mine != other:
+        token = sorted(set(mine.items()) ^ set(other.items()))[0][0]
+        return f"token {token!r} is {other.get(token)} there, {mine.get(token)} in the student's"
+    for name in ("bos_token_id", "eos_token_id", "unk_token_id"):
+        if getattr(ours, name) != getattr(theirs, name):
+            return f"{name} {getattr(theirs, name)}, the student's {getattr(ours, name)}"
+    if sorted(ours.all_special_ids) != sorted(theirs.all_special_ids):
+        return (
+            f"special tokens {sorted(theirs.all_special_ids)}, the student's {sorted(ours.all_special_ids)}"
+        )
+    return None
+
+
+def _deferral_refusal(causal_lm: nn.Module) -> str | None:
+    """Why our fused-loss interception cannot take this model's lm_head input, or None (patch_model's probe)."""
+    from liger_kernels import patch_model
+
+    report = patch_model(causal_lm, rms_norm=False, rope=False, swiglu=False, fused_linear_cross_entropy=True)
+    return report.skipped.get("fused_linear_cross_entropy")
+
+
+def load_teacher(recipe, device: torch.device) -> nn.Module:
+    """The teacher, once: from_pretrained in the run's precision (`teacher_dtype`), no remote code, frozen,
+    in eval mode, on `device`, with our fused-loss interception patched in (no kernel that changes a number)."""
+    from liger_cli.model.build import model_class, read_config
+
+    path = recipe.distill.teacher
+    kwargs = {"dtype": teacher_dtype(recipe, device)}
+    if recipe.model.attn_implementation:
+        kwargs["attn_implementation"] = recipe.model.attn_implementation
+    teacher = model_class(read_config(path)).from_pretrained(path, **kwargs)
+    teacher.config.use_cache = False
+    teacher.requires_grad_(False)
+    teacher.eval().to(device)
+    if why := _deferral_refusal(teacher):
+        raise UserError(f"distill.teacher {path}: {why}; distill reads the teacher's lm_head input")
+    return teacher
