@@ -98,7 +98,7 @@ def test_warnings_name_code_file_row_and_field(tmp_path):
     [
         ("data.learn_turn=last", "did you mean `data.learn_turns`"),
         ("data.learn_turns=first", "data.learn_turns"),
-        ("data.learn_reasoning=false", "applies to formats chat and preference only"),
+        ("data.learn_reasoning=false", "applies to formats chat, preference and unpaired only"),
     ],
 )
 def test_bad_options_exit_2(tmp_path, override, message):
