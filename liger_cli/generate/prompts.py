@@ -108,10 +108,12 @@ def turn_end_ids(tokenizer) -> list[int]:
     return [next(i for i in ids if i in special)] if any(i in special for i in ids) else []
 
 
-def read_prompts(path: Path) -> list[dict]:
-    """The JSONL rows of a prompts file, each checked to be an object with a prompt."""
+def read_jsonl_rows(path: Path, shapes: str, fits) -> list[tuple[int, dict]]:
+    """(line number, row) of each non-blank line of a --prompts file, every row a JSON object that
+    `fits(row)`; the first problem (no file, bad JSON, a row of another shape, no row) is a UserError
+    that names the line and `shapes`, the rows it expects."""
     if not path.is_file():
-        raise UserError(f'--prompts {path}: no such file; give a .jsonl file of {{"prompt": ...}} rows')
+        raise UserError(f"--prompts {path}: no such file; give a .jsonl file of {shapes} rows")
     rows = []
     for line_number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
@@ -122,15 +124,21 @@ def read_prompts(path: Path) -> list[dict]:
             raise UserError(
                 f"{path} line {line_number}: not JSON ({err.msg}); write one JSON object per line"
             ) from None
-        if not isinstance(row, dict) or not ({"prompt", "messages", "instruction"} & set(row)):
-            raise UserError(
-                f'{path} line {line_number}: a row needs "prompt" (text or messages) or "messages"; '
-                f"got {str(row)[:60]}"
-            )
-        rows.append(row)
+        if not isinstance(row, dict) or not fits(row):
+            raise UserError(f"{path} line {line_number}: a row needs {shapes}; got {str(row)[:60]}")
+        rows.append((line_number, row))
     if not rows:
-        raise UserError(f'{path} holds no prompts: write one JSON object per line, e.g. {{"prompt": "Hi"}}')
+        raise UserError(f"{path} holds no rows: write one JSON object per line, {shapes}")
     return rows
+
+
+def read_prompts(path: Path) -> list[dict]:
+    """The JSONL rows of a prompts file, each checked to be an object with a prompt."""
+    shapes = '"prompt" (text or messages) or "messages"'
+    return [
+        row
+        for _, row in read_jsonl_rows(path, shapes, lambda r: {"prompt", "messages", "instruction"} & set(r))
+    ]
 
 
 def image_row(row: dict) -> bool:

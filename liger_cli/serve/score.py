@@ -9,39 +9,26 @@ rendered before the model loads; the file is written whole or not at all (a temp
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 from liger_cli.errors import UserError
+from liger_cli.generate.prompts import read_jsonl_rows
 from liger_cli.model.reward_model import RewardModel, check_reward_run
 from liger_cli.serve.generate import _check_out, _processes, _write
 
 ROW_SHAPES = '{"prompt": ..., "completion": ...} or {"messages": [...]}'
 
 
-def read_rows(path: Path) -> list[dict]:
-    """The file's rows, each a JSON object of one of the two shapes (the first problem: a UserError)."""
-    if not path.is_file():
-        raise UserError(f"--prompts {path}: no such file; give a .jsonl file of {ROW_SHAPES} rows")
-    rows = []
-    for line_number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise UserError(
-                f"{path} line {line_number}: not JSON ({err.msg}); write one JSON object per line"
-            ) from None
-        whole = isinstance(row, dict) and "messages" in row and "prompt" not in row
-        pair = isinstance(row, dict) and "prompt" in row and isinstance(row.get("completion"), str)
-        if not (whole or pair):
-            raise UserError(f"{path} line {line_number}: a row needs {ROW_SHAPES}; got {str(row)[:60]}")
-        rows.append((line_number, row))
-    if not rows:
-        raise UserError(f"{path} holds no rows: write one JSON object per line, {ROW_SHAPES}")
-    return rows
+def read_rows(path: Path) -> list[tuple[int, dict]]:
+    """(line number, row) of the file's rows, each a JSON object of one of the two shapes (the first
+    problem: a UserError)."""
+
+    def fits(row: dict) -> bool:
+        whole = "messages" in row and "prompt" not in row
+        return whole or ("prompt" in row and isinstance(row.get("completion"), str))
+
+    return read_jsonl_rows(path, ROW_SHAPES, fits)
 
 
 def score_command(run: Path, prompts: Path, out: Path, batch_size: int = 16, echo=print) -> int:
