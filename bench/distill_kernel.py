@@ -23,11 +23,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from flce_memory import _status_mib  # noqa: E402
+from flce_memory import peak_and_best_time  # noqa: E402
 
 DEFAULT_SIZES = ("1024x256x512x32000",)
 VARIANTS = ("eager", "ours")
@@ -63,26 +62,12 @@ def worker(variant, size, lm_head, loss, beta, temperature, device, repeats):
         div.backward(upstream)
         return div
 
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        baseline = torch.cuda.memory_allocated() / 2**20
-    else:
-        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-        baseline = _status_mib("VmRSS")
-    times, div = [], None
-    for _ in range(repeats + 1):  # the first pass warms up (and is the one timed when repeats is 0)
-        hs.grad = ws.grad = None
-        start = time.perf_counter()
-        div = step().detach()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda else _status_mib("VmHWM")) - baseline
+    peak, seconds, div = peak_and_best_time(step, [hs, ws], repeats, cuda)
+    div = div.detach()
     grads = [hs.grad.flatten()] + ([ws.grad.flatten()] if ws.grad is not None else [])
     return {
         "peak_mib": peak,
-        "seconds": min(times[1:] or times),
+        "seconds": seconds,
         "div": div.double().flatten().tolist(),
         "grads": [g.double().tolist()[:4096] for g in grads],
         "threads": torch.get_num_threads(),

@@ -43,6 +43,33 @@ def _status_mib(field: str) -> float:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
+def peak_and_best_time(step, params: list, repeats: int, cuda: bool):
+    """Run `step()` once to warm up, then `repeats` times (each from fresh .grad on `params`): the peak
+    memory over what was held before the first pass (MiB: CUDA's allocator, or the CPU's VmHWM reset
+    to VmRSS), the best time of the measured passes (the warm-up's when repeats is 0), and the last
+    pass's result."""
+    import torch
+
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        baseline = torch.cuda.memory_allocated() / 2**20
+    else:
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+        baseline = _status_mib("VmRSS")
+    times, result = [], None
+    for _ in range(repeats + 1):
+        for p in params:
+            p.grad = None
+        start = time.perf_counter()
+        result = step()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda else _status_mib("VmHWM")) - baseline
+    return peak, min(times[1:] or times), result
+
+
 def worker(
     variant: str, size: str, lm_head: str, dtype: str, device: str, repeats: int, chunk_rows: int | None
 ) -> dict:
@@ -75,26 +102,12 @@ def worker(
         loss.backward()
         return loss
 
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        baseline = torch.cuda.memory_allocated() / 2**20
-    else:
-        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-        baseline = _status_mib("VmRSS")
-    times, loss = [], None
-    for _ in range(repeats + 1):  # the first pass warms up (and is the one timed when repeats is 0)
-        hidden.grad = weight.grad = None
-        start = time.perf_counter()
-        loss = float(step())
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda else _status_mib("VmHWM")) - baseline
+    peak, seconds, loss = peak_and_best_time(step, [hidden, weight], repeats, cuda)
+    loss = float(loss)
     grad_norms = [float(hidden.grad.norm())] + (
         [float(weight.grad.norm())] if weight.grad is not None else []
     )
-    return {"peak_mib": peak, "seconds": min(times[1:] or times), "loss": loss, "grad_norms": grad_norms}
+    return {"peak_mib": peak, "seconds": seconds, "loss": loss, "grad_norms": grad_norms}
 
 
 def floor_mib(size: str, lm_head: str, dtype: str) -> float:

@@ -30,11 +30,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from flce_memory import _status_mib  # noqa: E402
+from flce_memory import peak_and_best_time  # noqa: E402
 
 # Llama-3-8B's head (H=4096, V=128256), with as many tokens as a 2-core CPU runs in a few minutes.
 DEFAULT_SIZES = ("4x256x4096x128256",)
@@ -76,28 +75,14 @@ def worker(variant, size, lm_head, learned, dtype, device, repeats, per_token=Fa
         logp.backward(upstream)
         return logp
 
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        baseline = torch.cuda.memory_allocated() / 2**20
-    else:
-        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-        baseline = _status_mib("VmRSS")
-    times, logp = [], None
-    for _ in range(repeats + 1):  # the first pass warms up (and is the one timed when repeats is 0)
-        hidden.grad = weight.grad = None
-        start = time.perf_counter()
-        logp = step().detach()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    peak = (torch.cuda.max_memory_allocated() / 2**20 if cuda else _status_mib("VmHWM")) - baseline
+    peak, seconds, logp = peak_and_best_time(step, [hidden, weight], repeats, cuda)
+    logp = logp.detach()
     grad_norms = [float(hidden.grad.norm())] + (
         [float(weight.grad.norm())] if weight.grad is not None else []
     )
     return {
         "peak_mib": peak,
-        "seconds": min(times[1:] or times),
+        "seconds": seconds,
         "logp": logp.double().flatten().tolist(),
         "grad_norms": grad_norms,
     }
