@@ -130,7 +130,8 @@ def liger_variant(name: str, student: Path, teacher: Path, prompts: Path, out: P
 
     figures = run_liger_online({
         **prompt_recipe(student, prompts, "distill", args),
-        "distill": {"teacher": str(teacher), "loss": args.loss, "beta": args.beta, "temperature": 1.0},
+        "distill": {"teacher": str(teacher), "loss": args.loss, "temperature": 1.0,
+                    **({"beta": args.beta} if args.loss == "jsd" else {})},
         "rl": {"num_generations": 1, "max_new_tokens": args.new_tokens, "temperature": 1.0},
     }, name, out, args.steps, args.warmup)  # fmt: skip
     return {k: figures[k] for k in ("step_time_s", "peak_mem_mb", "generation_s", "first_step_loss")}
