@@ -73,28 +73,27 @@ def setup(out: Path) -> tuple[Path, Path, Path]:
     return model_dir, prompts, reward
 
 
-def liger_variant(name: str, model_dir: Path, prompts: Path, reward: Path, out: Path, args) -> dict:
-    import yaml
-    from trl_measure import run_liger  # bench/ is on sys.path (main)
-
-    recipe = out / "liger.yaml"
-    recipe.write_text(yaml.safe_dump({
+def prompt_recipe(model_dir: Path, prompts: Path, objective: str, args) -> dict:
+    """The recipe's sections every online bench on these prompts shares: the model, LoRA, the prompts
+    (--new-tokens after 64 of prompt) and training at --prompts prompts a step."""
+    return {
         "model": {"path": str(model_dir), "dtype": "float32"},
         "adapter": {"type": "lora", **LORA, "dropout": 0.0, "target_modules": "all-linear"},
         "data": {"train": str(prompts), "format": "prompt", "max_seq_len": 64 + args.new_tokens},
-        "training": {"objective": "grpo", "micro_batch_size": args.prompts, "grad_accum": 1, "lr": 1e-5,
+        "training": {"objective": objective, "micro_batch_size": args.prompts, "grad_accum": 1, "lr": 1e-5,
                      "scheduler": "constant", "max_grad_norm": 1.0, "precision": "fp32", "seed": 0},
+    }  # fmt: skip
+
+
+def liger_variant(name: str, model_dir: Path, prompts: Path, reward: Path, out: Path, args) -> dict:
+    from trl_measure import run_liger_online  # bench/ is on sys.path (main)
+
+    figures = run_liger_online({
+        **prompt_recipe(model_dir, prompts, "grpo", args),
         "rl": {"num_generations": 8, "max_new_tokens": args.new_tokens, "temperature": 1.0, **LOSSES[args.loss][0],
                "beta": 0.0, "rewards": [{"function": f"{reward}:length_reward"}]},
-        "distributed": {"activation_checkpointing": "off"},
-        "output": {"dir": str(out / "liger-run"), "overwrite": True},
-        "logging": {"every": 1, "tensorboard": False},
-    }, sort_keys=False))  # fmt: skip
-    figures, measured = run_liger(recipe, name, out, args.steps, args.warmup)
-    if "error" in figures:
-        raise SystemExit(f"liger {name} failed: see {figures['log']}")
-    return {"step_time_s": figures["step_time_s"], "peak_mem_mb": figures["peak_mem_mb"],
-            "generation_s": sum(m["time/sampling_s"] for m in measured) / len(measured)}  # fmt: skip
+    }, name, out, args.steps, args.warmup)  # fmt: skip
+    return {k: figures[k] for k in ("step_time_s", "peak_mem_mb", "generation_s")}
 
 
 def trl_variant(model_dir: Path, prompts: Path, reward: Path, out: Path, args) -> dict:

@@ -61,6 +61,23 @@ def run_liger(recipe: Path, name: str, out: Path, steps: int, warmup: int) -> tu
     return figures, measured
 
 
+def run_liger_online(recipe: dict, name: str, out: Path, steps: int, warmup: int) -> dict:
+    """An online objective's RECIPE (model, adapter, data, training and its own sections), completed with
+    what every bench run of one shares (no activation checkpointing, output in OUT/liger-run, logging
+    every step), written to OUT/liger.yaml and run as `run_liger` runs variant NAME. Returns its figures
+    with `generation_s`, the measured steps' mean `time/sampling_s`; exits naming the log where it failed."""
+    import yaml
+
+    path = out / "liger.yaml"
+    shared = {"distributed": {"activation_checkpointing": "off"}, "output": {"dir": str(out / "liger-run"),
+              "overwrite": True}, "logging": {"every": 1, "tensorboard": False}}  # fmt: skip
+    path.write_text(yaml.safe_dump({**recipe, **shared}, sort_keys=False))
+    figures, measured = run_liger(path, name, out, steps, warmup)
+    if "error" in figures:
+        raise SystemExit(f"liger {name} failed: see {figures['log']}")
+    return {**figures, "generation_s": sum(m["time/sampling_s"] for m in measured) / len(measured)}
+
+
 def run_trl(trl_python: Path, script: str, worker_argv: list[str], result: Path, out: Path) -> dict:
     """`TRL_PYTHON SCRIPT WORKER_ARGV` (the script's own TRL worker, which writes its figures to RESULT)
     in a fresh process on the CPU, its output in OUT/trl.log. Returns what it wrote, with the wall time
