@@ -58,127 +58,52 @@ def setup(out: Path, args) -> tuple[Path, Path, dict]:
     return model_dir, pairs_file, check_same_tokens(tokenizer, pairs, args.seq_len)
 
 
-def liger_variant(name: str, model_dir: Path, pairs: Path, out: Path, args) -> dict:
-    import yaml
-    from trl_measure import run_liger  # bench/ is on sys.path (main)
-
-    recipe = out / "liger.yaml"
-    recipe.write_text(yaml.safe_dump({
-        "model": {"path": str(model_dir), "dtype": "float32"},
-        "adapter": {"type": "lora", **LORA, "target_modules": "all-linear"},
-        "data": {"train": str(pairs), "format": "preference", "max_seq_len": args.seq_len},
-        "training": {"objective": "reward", "micro_batch_size": args.pairs, "grad_accum": 1, "lr": 1e-4,
-                     "scheduler": "constant", "warmup_steps": 0, "weight_decay": 0.0, "max_grad_norm": 1.0,
-                     "precision": "fp32", "seed": 0},
-        "distributed": {"activation_checkpointing": "off"},
-        "output": {"dir": str(out / "liger-run"), "overwrite": True},
-        "logging": {"every": 1, "tensorboard": False},
-    }, sort_keys=False))  # fmt: skip
-    figures, _ = run_liger(recipe, name, out, args.steps, args.warmup)
-    if "error" in figures:
-        raise SystemExit(f"liger {name} failed: see {figures['log']}")
-    return figures
-
-
-def trl_variant(model_dir: Path, pairs: Path, out: Path, args) -> dict:
-    from trl_measure import run_trl  # bench/ is on sys.path (main)
-
-    result = out / "trl.json"
-    worker_argv = ["--trl-worker", str(model_dir), str(pairs), str(result), "--steps", str(args.steps),
-                   "--warmup", str(args.warmup), "--pairs", str(args.pairs), "--seq-len", str(args.seq_len)]  # fmt: skip
-    found = run_trl(args.trl_python, __file__, worker_argv, result, out)
-    if "error" in found:
-        raise SystemExit(f"TRL failed: see {found['log']}")
-    return found
-
-
 def trl_worker(model_dir: str, pairs: str, result: str, args) -> int:
     """Under .venv-trl: TRL's RewardTrainer, each step timed, its first loss kept."""
     sys.path.insert(0, str(Path(__file__).parent))
-    from trl_measure import start, step_clock, summary
+    from trl_measure import start, train_trl
 
     baseline = start()  # the imports done, nothing of the run exists yet
-    import datasets
     import peft
     import torch
-    from peft import LoraConfig
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoModelForSequenceClassification
     from trl import RewardConfig, RewardTrainer
 
-    losses: list[float] = []
+    def check(trainer) -> None:  # LoRA, and the score head trained in full (modules_to_save)
+        assert isinstance(trainer.model, peft.PeftModel)
+        trained = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+        assert any(".score.modules_to_save." in n for n in trained), "TRL's score head is not trained in full"
 
-    class Measured(RewardTrainer):
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-            if model.training:
-                losses.append(float((out[0] if return_outputs else out).detach()))
-            return out
-
-    torch.manual_seed(0)
-    rows = [json.loads(line) for line in Path(pairs).read_text().splitlines()]
-    config = RewardConfig(
-        output_dir=str(Path(result).parent / "trl-run"), max_steps=args.warmup + args.steps,
-        per_device_train_batch_size=args.pairs, gradient_accumulation_steps=1, learning_rate=1e-4,
-        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch",
-        seed=0, bf16=False, fp16=False, use_cpu=True, gradient_checkpointing=False, max_length=args.seq_len,
-        center_rewards_coefficient=None, logging_steps=1, save_strategy="no", eval_strategy="no", report_to=[],
-        disable_tqdm=True, dataloader_num_workers=0,
-    )  # fmt: skip
-    clock = step_clock()
-    trainer = Measured(
-        model=AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32), args=config,
-        train_dataset=datasets.Dataset.from_list(rows), processing_class=AutoTokenizer.from_pretrained(model_dir),
-        peft_config=LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"],
-                               target_modules="all-linear", task_type="SEQ_CLS"),
-        callbacks=[clock],
-    )  # fmt: skip
-    assert isinstance(trainer.model, peft.PeftModel)
-    trained = {
-        n.split(".modules_to_save.")[0] for n, p in trainer.model.named_parameters() if p.requires_grad
-    }
-    assert any(n.endswith("score") for n in trained), "TRL's score head is not trained"
-    trainer.train()
-    Path(result).write_text(
-        json.dumps({**summary(clock, args.warmup, baseline), "first_step_loss": losses[0]})
-    )
-    return 0
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32)
+    return train_trl(RewardTrainer, RewardConfig, model, pairs, result, args, baseline, LORA, "SEQ_CLS", check,
+                     per_device_train_batch_size=args.pairs, center_rewards_coefficient=None)  # fmt: skip
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trl-worker", nargs=3, metavar=("MODEL", "PAIRS", "RESULT"))
-    parser.add_argument("--trl-python", type=Path, default=REPO / ".venv-trl/bin/python")
-    parser.add_argument("--steps", type=int, default=3, help="measured optimizer steps per run")
-    parser.add_argument("--warmup", type=int, default=1, help="steps before the measured ones")
     parser.add_argument("--pairs", type=int, default=4, help="pairs per micro-batch (2x rows)")
-    parser.add_argument("--seq-len", type=int, default=512, help="tokens per sequence, about half prompt")
-    parser.add_argument("--out", type=Path, default=REPO / "bench/results/reward_vs_trl")
-    args = parser.parse_args()
+    sys.path.insert(0, str(Path(__file__).parent))
+    from trl_measure import arguments, compare, liger_side, parse, report, trl_side
+
+    arguments(parser, "reward_vs_trl")
+    args = parse(parser)
     if args.trl_worker:
         return trl_worker(*args.trl_worker, args)
-    if not args.trl_python.is_file():
-        parser.error(f"{args.trl_python} not found: set up TRL's venv (bench/dpo_vs_trl.py's docstring)")
-    sys.path.insert(0, str(Path(__file__).parent))
     args.out.mkdir(parents=True, exist_ok=True)
     model_dir, pairs, tokens = setup(args.out, args)
-    load = [round(os.getloadavg()[0], 2)]
-    found = {"TRL RewardTrainer": trl_variant(model_dir, pairs, args.out, args)}
-    found["liger, kernels on"] = liger_variant("kernels_on", model_dir, pairs, args.out, args)
-    found["liger, kernels off"] = liger_variant("kernels_off", model_dir, pairs, args.out, args)
-    load.append(round(os.getloadavg()[0], 2))
-    (args.out / "reward_vs_trl.json").write_text(json.dumps(
-        {"settings": {k: str(v) for k, v in vars(args).items() if k != "trl_worker"}, "tokens": tokens,
-         "load_average": load, "runs": found}, indent=2))  # fmt: skip
+    data = {"train": str(pairs), "format": "preference", "max_seq_len": args.seq_len}
+    found, load = compare(
+        "TRL RewardTrainer",
+        lambda: trl_side(__file__, args.out, args, [str(model_dir), str(pairs)],
+                         {"--pairs": args.pairs, "--seq-len": args.seq_len}),
+        lambda name: liger_side(name, args.out, args, model_dir, LORA, data,
+                                training={"objective": "reward", "micro_batch_size": args.pairs}),
+    )  # fmt: skip
+    report(
+        args.out / "reward_vs_trl.json", args, tokens, found, load, "TRL RewardTrainer", f"{args.pairs} pairs"
+    )
     trl = found["TRL RewardTrainer"]
-    print(f"\n{args.pairs} pairs x {args.seq_len} tokens a step (sequences of {tokens['sequence_tokens']} tokens, "
-          f"the same ids on both sides); {args.warmup} warm-up + {args.steps} measured steps; TRL "
-          f"{trl['versions']['trl']}; load average {load[0]} -> {load[1]}\n")  # fmt: skip
-    print("| | step time (s) | peak memory | step-1 loss | time / TRL | memory / TRL |")
-    print("|---|---|---|---|---|---|")
-    for name, r in found.items():
-        print(f"| {name} | {r['step_time_s']:.2f} | {r['peak_mem_mb']:.0f} MiB | {r['first_step_loss']:.6f} | "
-              f"{r['step_time_s'] / trl['step_time_s']:.2f}x | {r['peak_mem_mb'] / trl['peak_mem_mb']:.2f}x |")  # fmt: skip
-    print(f"wrote {args.out / 'reward_vs_trl.json'}")
     off = [
         n
         for n, r in found.items()
