@@ -4,6 +4,7 @@ same model, rows, LoRA and batch, on a CPU.
 TRL lives in its own venv, never the project's (see bench/dpo_vs_trl.py for its set-up):
 
     .venv/bin/python bench/kto_vs_trl.py                     # 8 rows x 512 tokens, 1 + 3 steps
+    .venv/bin/python bench/kto_vs_trl.py --seq-len 256       # bench/README.md's table
     .venv/bin/python bench/kto_vs_trl.py --trl-python /path/to/.venv-trl/bin/python --rows 16
 
 The same on every side: the weights (`recipes/bench/llama-8x512.json`, random init with seed 0, saved
