@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import warm_python
 
 from liger_cli.bench import RunResult, bench, compare
 from liger_cli.errors import UserError
@@ -48,11 +49,9 @@ def _steps(metrics: Path) -> list[dict]:
 def cli_bench(tiny_recipe: Path, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     """`liger bench` through the real command line, once: 1 warm-up + 2 measured steps per variant."""
     out = tmp_path_factory.mktemp("cli-bench") / "bench"
-    proc = subprocess.run(
-        [sys.executable, "-m", "liger_cli", "bench", str(tiny_recipe), "--steps", "2", "--warmup", "1",
-         "--out", str(out)],
-        capture_output=True, text=True, timeout=480,
-    )  # fmt: skip
+    proc = warm_python.run(
+        ["-m", "liger_cli", "bench", tiny_recipe, "--steps", "2", "--warmup", "1", "--out", out], timeout=480
+    )
     return proc, out
 
 

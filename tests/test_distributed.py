@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm_python
 import yaml
 from safetensors.torch import load_file
 from test_kto import write_unpaired
@@ -356,8 +357,7 @@ def test_micro_batch_accumulation_and_processes_train_the_same_model(
 
 
 def liger_train(recipe: Path, *args: str, timeout: int = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "liger_cli", "train", str(recipe), *args], capture_output=True,
-                          text=True, timeout=timeout, env=child_env())  # fmt: skip
+    return warm_python.run(["-m", "liger_cli", "train", recipe, *args], timeout=timeout, env=child_env())
 
 
 @pytest.mark.timeout(900)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import warm_python
 
 from liger_cli.errors import UserError
 from liger_cli.plan.inspect_wrap import build_meta_model, inspect_command
@@ -55,14 +55,7 @@ def run_cli(*args: str, cwd: Path = REPO, **env: str) -> subprocess.CompletedPro
     full_env.setdefault(
         "HF_HOME", str(cwd / ".no-hf-home")
     )  # no ambient accelerate config unless a test adds one
-    return subprocess.run(
-        [sys.executable, "-m", "liger_cli", "inspect-wrap", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=cwd,
-        env=full_env,
-    )
+    return warm_python.run(["-m", "liger_cli", "inspect-wrap", *args], timeout=120, cwd=cwd, env=full_env)
 
 
 def run_here(monkeypatch, *args: str, **env: str) -> subprocess.CompletedProcess:

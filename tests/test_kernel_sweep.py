@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 
 import pytest
+import warm_python
 from conftest import REPO
 
 FOUR = ("rms_norm", "rope", "swiglu", "fused_linear_cross_entropy")
@@ -39,13 +39,10 @@ DOCS = REPO / "docs" / "kernel-coverage.md"
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
     out = tmp_path_factory.mktemp("sweep") / "rows.json"
-    result = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "kernel_coverage.py"), "--json", str(out), "--no-markdown",
-         "--only", ",".join(SAMPLE)],
-        capture_output=True,
-        text=True,
+    result = warm_python.run(
+        [REPO / "scripts" / "kernel_coverage.py", "--json", out, "--no-markdown", "--only", ",".join(SAMPLE)],
         timeout=1500,
-    )  # fmt: skip
+    )
     assert out.exists(), result.stderr[-2000:]
     return result, json.loads(out.read_text())
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+import warm_python
 import yaml
 from conftest import QUICKSTART_MODEL
 
@@ -63,9 +63,7 @@ def write_recipe(tmp_path: Path, model: Path, name: str, steps: int = 2, **distr
 
 
 def liger(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "liger_cli", *args], capture_output=True, text=True, timeout=timeout
-    )
+    return warm_python.run(["-m", "liger_cli", *args], timeout=timeout)
 
 
 def estimate(recipe: Path, *overrides: str, device_memory: int | None = None) -> dict:

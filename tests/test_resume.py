@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm_python
 from test_output_safety import one_line_error, snapshot
 from test_train import QUICK_DATA, adapter_weights, liger, liger_here, liger_in_one_process, recipe_text
 
@@ -189,12 +190,9 @@ train.run(recipe, plan)
 def killed(recipe: Path, where: str, at: int, *overrides: str):
     """KILL_DRIVER in a fresh process (unbuffered, so its output up to the kill is all there)."""
     import os
-    import subprocess
-    import sys
 
-    args = [sys.executable, "-c", KILL_DRIVER, str(recipe), where, str(at), *overrides]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
+    return warm_python.run(["-c", KILL_DRIVER, recipe, where, at, *overrides], timeout=600, env=env)
 
 
 def test_sigkill_at_several_points_then_resume_is_bit_identical(runs: dict, tmp_path: Path) -> None:

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import warm_python
 from safetensors.torch import load_file
 from test_train import recipe_text
 
@@ -98,7 +98,7 @@ def run_cases(spec_path: str) -> None:
 
 
 def run(driver: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", driver, *args], capture_output=True, text=True, timeout=600)
+    return warm_python.run(["-c", driver, *args], timeout=600)
 
 
 def write_recipe(model_dir: Path, root: Path, name: str, **extra: str) -> Path:

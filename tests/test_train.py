@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm_python
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,9 +34,8 @@ def recipe_text(model_dir: Path, out: Path, **extra: str) -> str:
 
 
 def liger(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "liger_cli", *args], capture_output=True, text=True, timeout=timeout
-    )
+    """`liger ARGS` in a process of its own (tests/warm_python.py: forked warm)."""
+    return warm_python.run(["-m", "liger_cli", *args], timeout=timeout)
 
 
 def liger_here(*args: str) -> subprocess.CompletedProcess:
@@ -105,7 +105,7 @@ def restored_process_state():
 
 
 IN_ONE_PROCESS = """
-import ctypes, gc, importlib, json, sys
+import ctypes, gc, importlib, json, os, sys
 sys.path.insert(0, sys.argv[1])
 from check_memo import memoize_twin_checks
 from test_train import liger_here
@@ -123,7 +123,8 @@ for step in json.loads(sys.argv[2]):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass  # not glibc
-print(json.dumps([[p.returncode, p.stdout, p.stderr] for p in done]))
+print(json.dumps([[p.returncode, p.stdout, p.stderr] for p in done]), flush=True)
+os._exit(0)  # what the commands wrote is closed; the teardown of every module would cost ~1.7 CPU s
 """
 
 
@@ -135,10 +136,9 @@ def liger_in_one_process(*steps: list[str] | dict, timeout: int = 900) -> list[s
     A step is a command (a list of arguments) or {"call": "module.function", "args": [...]}: a function
     of a test module called in that process between two commands (to copy or plant files). Returns the
     commands' results, in order."""
-    proc = subprocess.run(
-        [sys.executable, "-c", IN_ONE_PROCESS, str(Path(__file__).resolve().parent), json.dumps(steps)],
-        capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
+    proc = warm_python.run(
+        ["-c", IN_ONE_PROCESS, str(Path(__file__).resolve().parent), json.dumps(steps)], timeout=timeout
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout.splitlines()[-1])
     commands = [s for s in steps if not isinstance(s, dict)]

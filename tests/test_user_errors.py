@@ -8,10 +8,10 @@ tests/test_cli.py::test_inspect_wrap_needs_a_model_or_recipe's."""
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import warm_python
 from test_train import liger_here
 
 REPO = Path(__file__).resolve().parents[1]
@@ -19,10 +19,8 @@ QUICKSTART = REPO / "recipes" / "quickstart.yaml"
 
 
 def liger(*args: str) -> subprocess.CompletedProcess:
-    """`liger ARGS` as a real process."""
-    return subprocess.run(
-        [sys.executable, "-m", "liger_cli", *args], capture_output=True, text=True, timeout=120
-    )
+    """`liger ARGS` as a real process (tests/warm_python.py: forked warm)."""
+    return warm_python.run(["-m", "liger_cli", *args], timeout=120)
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, *words: str) -> None:

@@ -5,9 +5,9 @@ says what trains, and the saved adapter is checked."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+import warm_python
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -20,11 +20,16 @@ def test_the_vision_recipe_answers_unseen_pictures_better(tmp_path: Path) -> Non
         "training.eval_every=100",
         "training.eval_samples=40",
     ]
-    proc = subprocess.run(
-        [sys.executable, "-m", "liger_cli", "train", str(REPO / "recipes" / "vision.yaml"),
-         *(arg for s in sets for arg in ("--set", s))],
-        capture_output=True, text=True, timeout=1200,
-    )  # fmt: skip
+    proc = warm_python.run(
+        [
+            "-m",
+            "liger_cli",
+            "train",
+            REPO / "recipes" / "vision.yaml",
+            *(arg for s in sets for arg in ("--set", s)),
+        ],
+        timeout=1200,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "vision tower (model.vision_tower): frozen" in proc.stdout
     assert "projector (model.multi_modal_projector): full" in proc.stdout

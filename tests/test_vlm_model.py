@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+import warm_python
 from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
@@ -306,10 +306,7 @@ def image_runs(vlm_dirs, tmp_path_factory) -> dict[str, tuple[Path, subprocess.C
         "full": image_recipe(root, vlm_dirs["qwen2_vl"], "full", "", "{type: none}"),
         "lora": image_recipe(root, vlm_dirs["llava"], "lora", "train_projector: true", "{type: lora, r: 4, alpha: 8}"),
     }  # fmt: skip
-    proc = subprocess.run(
-        [sys.executable, "-c", IMAGE_RUN_DRIVER, str(TESTS), *map(str, recipes.values())], capture_output=True,
-        text=True, timeout=1200,
-    )  # fmt: skip
+    proc = warm_python.run(["-c", IMAGE_RUN_DRIVER, TESTS, *recipes.values()], timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     verified = [line for line in proc.stdout.splitlines() if line.startswith("final model verified")]
     assert len(verified) == len(recipes), proc.stdout[-2000:]  # each run's probe carried its images
@@ -376,8 +373,7 @@ def test_lora_with_projector_on_image_batches_then_merge_gives_the_adapters_logi
     assert not any(".vision_tower." in k for k in adapter)
 
     merged = tmp_path / "merged"
-    proc = subprocess.run([sys.executable, "-m", "liger_cli", "merge", str(out), str(merged)], capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    proc = warm_python.run(["-m", "liger_cli", "merge", out, merged], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     config = AutoConfig.from_pretrained(folder)
     probe = image_batch(config, [([5, 6, 7, 8], [5, 6, 7, 8]), ([9, 10], [9, 10])], seed=11)

@@ -14,12 +14,12 @@ from __future__ import annotations
 import inspect
 import json
 import subprocess
-import sys
 import warnings
 from functools import cache
 from pathlib import Path
 
 import pytest
+import warm_python
 from torch import nn
 
 from liger_cli.errors import UserError
@@ -343,13 +343,7 @@ def test_frozen_tower_sharing_a_unit_is_reported_under_fsdp1(tmp_path):
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "liger_cli", "inspect-wrap", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-    )
+    return warm_python.run(["-m", "liger_cli", "inspect-wrap", *args], timeout=300, cwd=REPO)
 
 
 def invoke_cli(*args: str) -> subprocess.CompletedProcess:
@@ -434,13 +428,7 @@ def test_real_fsdp1_builds_the_planned_units_and_the_frozen_tower_failure(tmp_pa
     cases = [(default.classes, False), (default.classes, True), (layers_only, False)]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29900 + os.getpid() % 90)}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    done = subprocess.run(
-        [sys.executable, "-c", FSDP1_SCRIPT, str(folder), json.dumps(cases)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-    )
+    done = warm_python.run(["-c", FSDP1_SCRIPT, folder, json.dumps(cases)], timeout=240, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     strict, orig, broken = json.loads(done.stdout.split("RESULT ", 1)[1])
     report = plan_units(model, default, "fsdp1", 1, check_ambient_config=False)

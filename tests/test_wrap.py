@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from functools import cache
 from pathlib import Path
 
@@ -458,13 +456,9 @@ def test_plan_matches_the_units_accelerate_builds():
     ]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29400 + os.getpid() % 500)}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[1]), env.get("PYTHONPATH", "")])
-    done = subprocess.run(
-        [sys.executable, "-c", ACCELERATE_SCRIPT, json.dumps(cases)],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=env,
-    )
+    import warm_python  # here: ACCELERATE_SCRIPT imports this module where tests/ is not on the path
+
+    done = warm_python.run(["-c", ACCELERATE_SCRIPT, json.dumps(cases)], timeout=180, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.split("RESULT ", 1)[1])
     for (version, tied, lora), result in zip(cases, results, strict=True):
