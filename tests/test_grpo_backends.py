@@ -1,4 +1,6 @@
-"""GRPO with 2 real processes on gloo trains what 1 process trains, under DDP, FSDP-1, FSDP-2 and ZeRO-3:
+"""GRPO with 2 real processes on gloo trains what 1 process trains, under DDP, FSDP-1, FSDP-2 and ZeRO-3
+(the grpo loss, and GSPO and CISPO trained twice per batch: LOSSES; the full runs also scored by a
+reward model):
 the same completions (sampling keyed by step, prompt row and completion, not by process), the same
 rewards and losses per step, and the same adapter (or, with full fine-tuning, the same weights: the
 KL term's reference is then each rank's stored share of the starting weights, swapped in); and a
@@ -21,8 +23,18 @@ from test_distributed import run_here
 
 QUICK = Path(__file__).resolve().parents[1] / "recipes" / "quickstart" / "data"
 AGENT = Path(__file__).resolve().parents[1] / "recipes" / "agent"
+DPO = Path(__file__).resolve().parents[1] / "recipes" / "dpo"
 TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 BACKENDS = {"ddp": {}, "fsdp1": {}, "fsdp2": {}, "deepspeed": {"zero_stage": 3}}  # DeepSpeed last (below)
+# The loss of each backend's LoRA and full runs: grpo, or GSPO (LoRA) and CISPO (full) trained twice on
+# each batch (`num_iterations` 2: step 2 is off-policy, its ratios and clipping from the old log-probs
+# each rank kept), each loss under two backends.
+LOSSES = {
+    "grpo": {"lora": {}, "full": {}},
+    "off-policy": {"lora": {"loss": "gspo", "epsilon": 3e-4, "epsilon_high": 4e-4, "num_iterations": 2},
+                   "full": {"loss": "cispo", "epsilon_high": 4.0, "num_iterations": 2}},
+}  # fmt: skip
+BACKEND_LOSS = {"ddp": "off-policy", "fsdp1": "grpo", "fsdp2": "off-policy", "deepspeed": "grpo"}
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 
 
@@ -52,10 +64,32 @@ def make_assets(root: Path) -> dict:
     (root / "rewards.py").write_text(
         "def spread(completion_ids, **kwargs):\n    return [sum(i % 7 for i in ids) / 20 for ids in completion_ids]\n"
     )
-    return {"root": root, "model": model_dir, "init": root / "init", "prompts": prompts}
+    return {"root": root, "model": model_dir, "init": root / "init", "prompts": prompts,
+            "reward_model": reward_run(root, model_dir)}  # fmt: skip
 
 
-def recipe(assets: dict, out: Path, backend: str = "none", tuning: str = "lora", **distributed) -> Path:
+def reward_run(root: Path, model_dir: Path) -> Path:
+    """A reward model (`training.objective: reward`, one step on the shipped DPO pairs, full fine-tuning of
+    the tiny model), trained in this process: the full runs' second reward, scored on every rank."""
+    from test_train import liger_here
+
+    pairs = root / "pairs.jsonl"
+    pairs.write_text("".join((DPO / "train.jsonl").read_text().splitlines(keepends=True)[:8]))
+    out = root / "reward-model"
+    recipe = {
+        "model": {"path": str(model_dir)}, "adapter": {"type": "none"},
+        "data": {"train": str(pairs), "format": "preference", "max_seq_len": 64},
+        "training": {"objective": "reward", "max_steps": 1, "micro_batch_size": 4, "lr": 1.0e-3, "seed": 0},
+        "output": {"dir": str(out)}, "logging": {"every": 1, "tensorboard": False},
+    }  # fmt: skip
+    (root / "reward-model.yaml").write_text(yaml.safe_dump(recipe))
+    proc = liger_here("train", str(root / "reward-model.yaml"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def recipe(assets: dict, out: Path, backend: str = "none", tuning: str = "lora", loss: str = "grpo",
+           **distributed) -> Path:  # fmt: skip
     world = 1 if backend == "none" else 2
     data = {
         "model": {"path": str(assets["model"])},
@@ -66,6 +100,9 @@ def recipe(assets: dict, out: Path, backend: str = "none", tuning: str = "lora",
         "rl": {"num_generations": 4, "max_new_tokens": 6, "loss": "grpo", "beta": 0.05,
                "rewards": [{"function": f"{assets['root'] / 'rewards.py'}:spread"}]},
     }  # fmt: skip
+    data["rl"] |= LOSSES[loss][tuning]
+    if tuning == "full":  # and a reward model, scored by each rank for its own completions
+        data["rl"]["rewards"].append({"model": str(assets["reward_model"]), "weight": 0.5})
     return written(data, out, backend, world, distributed)
 
 
@@ -106,9 +143,14 @@ def rollouts(out: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def one_process(assets) -> dict[str, Path]:
-    """The 1-process runs, LoRA and full fine-tuning, that every 2-process run must reproduce."""
-    outs = {tuning: assets["root"] / f"ref-{tuning}" for tuning in ("lora", "full")}
-    cases = [{"recipe": str(recipe(assets, out, tuning=tuning))} for tuning, out in outs.items()]
+    """The 1-process runs, LoRA and full fine-tuning with each loss of LOSSES, that every 2-process run
+    must reproduce (by tuning and loss: "lora", "full-off-policy", ...)."""
+    outs, cases = {}, []
+    for loss in LOSSES:
+        for tuning in ("lora", "full"):
+            name = tuning if loss == "grpo" else f"{tuning}-{loss}"
+            outs[name] = assets["root"] / f"ref-{name}"
+            cases.append({"recipe": str(recipe(assets, outs[name], tuning=tuning, loss=loss))})
     outs["agent"] = assets["root"] / "ref-agent"
     cases.append({"recipe": str(agent_recipe(assets, outs["agent"]))})
     outs["distill"] = assets["root"] / "ref-distill"
@@ -128,7 +170,7 @@ def launch_part(root: Path) -> tuple[list[dict], dict[str, dict[str, Path]]]:
         if backend == "deepspeed" and not HAS_DEEPSPEED:
             continue
         outs[backend] = {tuning: root / f"{backend}-{tuning}" for tuning in ("lora", "full")}
-        cases += [{"recipe": str(recipe(assets, out, backend, tuning, **distributed))}
+        cases += [{"recipe": str(recipe(assets, out, backend, tuning, BACKEND_LOSS[backend], **distributed))}
                   for tuning, out in outs[backend].items()]  # fmt: skip
         outs[backend]["agent"] = root / f"{backend}-agent"
         cases.append({"recipe": str(agent_recipe(assets, outs[backend]["agent"], backend, **distributed))})
@@ -151,7 +193,9 @@ def test_two_processes_train_the_one_process_grpo_run(backend, one_process, back
         if tuning == "agent":  # multi-turn: the same trajectories (ids, mask, messages) and adapter
             same_trajectories(out, one_process[tuning])
             continue
-        same_run(out, one_process[tuning], "adapter_model" if tuning == "lora" else "model")
+        loss = BACKEND_LOSS[backend]
+        reference = one_process[tuning if loss == "grpo" else f"{tuning}-{loss}"]
+        same_run(out, reference, "adapter_model" if tuning == "lora" else "model")
 
 
 def same_trajectories(out: Path, reference: Path) -> None:
@@ -174,7 +218,8 @@ def same_trajectories(out: Path, reference: Path) -> None:
 
 def same_run(out: Path, reference: Path, weights: str) -> None:
     got, want = rollouts(out), rollouts(reference)
-    assert len(got) == len(want) == 2 * 8 * 4
+    iterations = yaml.safe_load((out / "recipe.yaml").read_text())["rl"]["num_iterations"]
+    assert len(got) == len(want) == 2 * 8 * 4 // iterations  # completions sampled once per `iterations` steps
     key = lambda r: (r["step"], json.dumps(r["prompt"]), r["completion_ids"])  # noqa: E731 - order within a step
     assert sorted(map(key, got)) == sorted(map(key, want))  # the same completions
     for mine, theirs in zip(sorted(got, key=key), sorted(want, key=key), strict=True):

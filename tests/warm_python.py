@@ -34,8 +34,8 @@ from pathlib import Path
 PRELOAD = ("torch", "torch.distributed.tensor", "torch._dynamo", "transformers", "transformers.modeling_utils",
            "datasets")  # fmt: skip
 RUNTIME_ENV = ("ACCELERATE_", "FSDP_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-               "MASTER_PORT", "TOKENIZERS_PARALLELISM", "DS_ACCELERATOR", "PYTHONPATH",
-               "PYTHONUNBUFFERED")  # fmt: skip
+               "MASTER_PORT", "TOKENIZERS_PARALLELISM", "DS_ACCELERATOR", "PYTHONPATH", "PYTHONUNBUFFERED",
+               "PYTEST_")  # fmt: skip
 """Variables (or prefixes) nothing in PRELOAD reads while it is imported: children of one zygote may differ in them."""
 
 ZYGOTE = """
@@ -90,6 +90,7 @@ else:
 
 _zygotes: dict[str, subprocess.Popen] = {}
 _seen: set[str] = set()
+MAX_ZYGOTES = 3  # per worker (each holds ~0.5 GB): further environments start cold
 
 
 def _import_env(env: dict[str, str]) -> str:
@@ -102,7 +103,7 @@ def _zygote(env: dict[str, str]) -> subprocess.Popen | None:
     environment's second (a one-off environment is cheaper started cold); None: start this one cold."""
     key = _import_env(env)
     if key not in _zygotes:
-        if key != _import_env(dict(os.environ)) and key not in _seen:
+        if key != _import_env(dict(os.environ)) and key not in _seen or len(_zygotes) >= MAX_ZYGOTES:
             _seen.add(key)
             return None
         zygote = subprocess.Popen(

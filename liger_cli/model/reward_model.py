@@ -107,11 +107,13 @@ def _load(recipe, final: Path):
     from liger_cli.model import load_base_model, model_class, model_dtype, read_config
 
     process_state.quiet_libraries()
-    if (final / "adapter_config.json").is_file():
-        from peft import PeftModel
+    # whole on each rank, never partitioned by a ZeRO-3 run's init context
+    with process_state.loading_alone():
+        if (final / "adapter_config.json").is_file():
+            from peft import PeftModel
 
-        return PeftModel.from_pretrained(load_base_model(recipe), final)
-    m = recipe.model
-    return model_class(read_config(final, m.trust_remote_code)).from_pretrained(
-        final, dtype=model_dtype(recipe), trust_remote_code=m.trust_remote_code
-    )
+            return PeftModel.from_pretrained(load_base_model(recipe), final)
+        m = recipe.model
+        return model_class(read_config(final, m.trust_remote_code)).from_pretrained(
+            final, dtype=model_dtype(recipe), trust_remote_code=m.trust_remote_code
+        )
