@@ -380,38 +380,15 @@ def chat(
 
 
 def main() -> NoReturn:
-    """`liger`: the command, then an exit without the interpreter's teardown (see `_leave`). A bug's
+    """`liger`: the command, then an exit without the interpreter's teardown (process_state.leave). A bug's
     exception is not caught: Python prints its traceback and exits 1 as usual."""
+    from liger_cli.process_state import leave
+
     try:
         app(prog_name="liger")
     except SystemExit as done:
-        _leave(done.code)
-    _leave(0)
-
-
-def _leave(code: object) -> NoReturn:
-    """Exit as Python does (non-daemon threads joined, atexit hooks run, streams flushed), less the
-    teardown of every module: once torch and transformers are imported, that teardown costs about 1.7
-    CPU s of a process that has finished its work (measured in docs/testing.md)."""
-    import atexit
-    import os
-    import threading
-
-    if code is None:
-        code = 0
-    elif not isinstance(code, int):
-        print(code, file=sys.stderr)
-        code = 1
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed pipe (`liger ... | head`) or a closed stream
-            pass
-    os._exit(code)
+        leave(done.code)
+    leave(0)
 
 
 if __name__ == "__main__":

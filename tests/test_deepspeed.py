@@ -2,7 +2,8 @@
 
 DeepSpeed must train the model a 1-process run trains: LoRA and full fine-tuning with grad_accum 2
 (ZeRO-3, with and without activation checkpointing; ZeRO-2) give the same per-step losses and
-gradient norms (fp32, 1e-5) and the same saved weights; under ZeRO-3 the model is loaded
+gradient norms (fp32, 1e-5) and the same saved weights, and so do DPO and KTO with full fine-tuning
+and a reward model (`objectives`); under ZeRO-3 the model is loaded
 partitioned through transformers' own path with the saved weights; a checkpoint resumes in a fresh
 `liger train` launch. The training cases and the loading check are this file's part of the suite's
 ONE 2-process launch (tests/conftest.py `two_process_launch`: each launch costs 15-20 s of imports);
@@ -18,10 +19,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from test_distributed import (  # noqa: F401 - `assets` is a fixture
+    STEPS,
     assert_same_run,
     assets,
+    dpo,
     dpo_full,
     free_port,
+    kto_full,
     liger_train,
     losses,
     run_here,
@@ -39,6 +43,15 @@ CASES = {  # name -> (adapter type, activation checkpointing, ZeRO stage); each 
 }
 
 
+def objectives(files: dict) -> dict[str, dict]:
+    """The other objectives under ZeRO-3, each compared with its 1-process run: DPO with full fine-tuning
+    (both ranks compute the reference log-probs through ZeRO-3's collective forwards), KTO with full
+    fine-tuning (its reference table and z0 over the step, from both ranks), a reward model (LoRA beside
+    its score head, trained in full)."""
+    return {"dpo-full": dpo_full(files), "kto-full": kto_full(files),
+            "reward": {**dpo(files), "training__objective": "reward"}}  # fmt: skip
+
+
 def launch_part(root: Path) -> tuple[list[dict], dict]:
     """This file's cases of the shared 2-process launch (tests/conftest.py `two_process_launch`): the
     CASES, DPO with full fine-tuning, then the loading check. Returns the outputs, the LoRA case's
@@ -47,14 +60,14 @@ def launch_part(root: Path) -> tuple[list[dict], dict]:
     from test_distributed import make_assets
 
     files = make_assets(root / "files")
-    outs = {name: root / name for name in ("dpo-full", *CASES)}
+    outs = {name: root / name for name in (*objectives(files), *CASES)}
     recipes = {
         name: write_recipe(files, outs[name], "deepspeed", adapter, ac, distributed__zero_stage=stage)
         for name, (adapter, ac, stage) in CASES.items()
     }
     recipes["lora"] = write_recipe(files, outs["lora"], "deepspeed", output__save_every=2)  # resumed below
-    # DPO without an adapter: both ranks compute the reference log-probs through ZeRO-3's collective forwards.
-    recipes["dpo-full"] = write_recipe(files, outs["dpo-full"], "deepspeed", **dpo_full(files))
+    for name, over in objectives(files).items():
+        recipes[name] = write_recipe(files, outs[name], "deepspeed", **over)
     # DeepSpeed would compile a CPU communication op here on first use (~95 s): it must not build anything.
     cases = [
         {"recipe": str(r), "env": {"TORCH_EXTENSIONS_DIR": str(root / "torch_extensions")}}
@@ -75,12 +88,14 @@ def runs(assets, two_process_launch, tmp_path_factory) -> dict[str, Path]:  # no
     """1-process references (in this worker: what each printed is read below), and the 2-process cases
     of the shared launch, with what rank 0 printed for them and what the whole launch printed."""
     root = tmp_path_factory.mktemp("deepspeed")
-    outs = {name: root / name for name in ("ref-lora", "ref-full", "one-process", "ref-dpo-full")}
+    outs = {name: root / name for name in ("ref-lora", "ref-full", "one-process")}
     refs = [write_recipe(assets, outs["ref-lora"]), write_recipe(assets, outs["ref-full"], adapter="none")]
     # backend deepspeed with ONE process on a CPU: no engine, a plain run that must equal the reference.
     refs.append(write_recipe(assets, outs["one-process"], "deepspeed", adapter="none", training__grad_accum=4,
                              distributed__num_processes=1))  # fmt: skip
-    refs.append(write_recipe(assets, outs["ref-dpo-full"], **dpo_full(assets)))
+    for name, over in objectives(assets).items():
+        outs[f"ref-{name}"] = root / f"ref-{name}"
+        refs.append(write_recipe(assets, outs[f"ref-{name}"], **over))
     run_here({"cases": [{"recipe": str(r)} for r in refs]})
     two = two_process_launch["test_deepspeed"]
     return (
@@ -110,7 +125,7 @@ def test_deepspeed_with_one_cpu_process_trains_plainly(runs) -> None:
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", CASES)
-def test_deepspeed_trains_the_one_process_model(name: str, runs) -> None:
+def test_deepspeed_trains_the_one_process_model(name: str, runs, assets) -> None:  # noqa: F811
     adapter, ac, stage = CASES[name]
     out, ref = runs[name], runs["ref-lora" if adapter == "lora" else "ref-full"]
     assert_same_run(out, ref)  # per-step losses within 1e-5, same saved weights, the adapter loads in peft
@@ -131,15 +146,16 @@ def test_deepspeed_trains_the_one_process_model(name: str, runs) -> None:
     stdout = runs["stdout"]  # rank 0's output of this file's cases; the launch's whole output below
     assert not runs["torch_extensions"].exists() and "built successfully" not in runs["launch-stdout"]
     sharding = [line for line in stdout.splitlines() if line.startswith("sharding:")]
-    assert len(sharding) == len(CASES) + 1  # and dpo-full
+    others = len(objectives(assets))  # dpo-full, kto-full, reward: ZeRO-3 as well
+    assert len(sharding) == len(CASES) + others
     verified = [line for line in stdout.splitlines() if line.startswith("final model verified")]
-    assert len(verified) == len(CASES) + 1, stdout[-3000:]  # every ZeRO save reloaded and compared
+    assert len(verified) == len(CASES) + others, stdout[-3000:]  # every ZeRO save reloaded and compared
     lm_head_numel = json.loads((out / "checks.json").read_text())["lm_head_numel"]
     if stage == 3:
         # lm_head.weight is partitioned away outside a forward: the fused loss really needed the gather.
         assert lm_head_numel == 0
         assert "fused loss: lm_head.weight registered with ZeRO-3" in stdout
-        zero3_cases = sum(case[2] == 3 for case in CASES.values()) + 1  # and dpo-full
+        zero3_cases = sum(case[2] == 3 for case in CASES.values()) + others
         assert sum("ZeRO-3" in s and "(1/2)" in s for s in sharding) == zero3_cases, sharding
     else:
         assert lm_head_numel > 0 and any("ZeRO-2: parameters replicated" in s for s in sharding), sharding
@@ -202,3 +218,17 @@ def test_deepspeed_backend_without_deepspeed_is_a_user_error(assets, tmp_path: P
     )
     with pytest.raises(UserError, match="needs the deepspeed package.*pip install"):
         backend_for(recipe, build_plan(recipe)).make_accelerator()
+
+
+@pytest.mark.timeout(900)
+def test_zero3_trains_kto_and_a_reward_model_as_one_process_does(runs) -> None:
+    """KTO with full fine-tuning, and a reward model (its LoRA adapter and the score head trained in full):
+    the same per-step losses and saved weights as one process; the KTO reference table and z0 computed
+    by both ranks through ZeRO-3's collective forwards."""
+    assert_same_run(runs["kto-full"], runs["ref-kto-full"])
+    out, ref = runs["reward"], runs["ref-reward"]
+    assert losses(out) == pytest.approx(losses(ref), abs=1e-5, rel=0) and len(losses(ref)) == STEPS
+    got, want = (load_file(p / "final" / "adapter_model.safetensors") for p in (out, ref))
+    assert got.keys() == want.keys() and any(".score." in k for k in want), want.keys()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], atol=2e-5, rtol=1e-4, msg=key)

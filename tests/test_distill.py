@@ -291,7 +291,6 @@ def test_the_recipe_refuses_what_distill_does_not_do(tmp_path, tiny_model_dir):
         ({"rl": {"beta": 0.1, "rewards": [{"function": "m:f"}]}}, r"rl.beta, rl.rewards do not apply to training.objective distill"),
         ({"distill": {"teacher": str(tmp_path)}}, "no config.json there"),
         ({"distill": {"teacher": str(tiny_model_dir), "beta": 0.2}}, "distill.beta applies to distill.loss jsd only"),
-        ({"distributed": {"backend": "fsdp2", "num_processes": 2}}, "the teacher is not sharded yet"),
         ({"training": {"max_steps": 1}}, "the distill section goes with training.objective grpo or distill"),
         ({"training": {"objective": "grpo", "max_steps": 1}, "rl": {"rewards": [{"function": "m:f"}]}},
          "the distill section applies to training.objective distill"),

@@ -174,8 +174,14 @@ def launch_part(root: Path) -> tuple[list[dict], dict[str, dict[str, Path]]]:
                   for tuning, out in outs[backend].items()]  # fmt: skip
         outs[backend]["agent"] = root / f"{backend}-agent"
         cases.append({"recipe": str(agent_recipe(assets, outs[backend]["agent"], backend, **distributed))})
-    outs["distill"] = {"ddp": root / "distill-ddp"}  # on-policy distillation: DDP, the teacher on each rank
-    cases.append({"recipe": str(distill_recipe(assets, outs["distill"]["ddp"], "ddp"))})
+    outs["distill"] = {}  # on-policy distillation under each backend, the teacher whole on each rank
+    for backend, distributed in BACKENDS.items():
+        if backend == "deepspeed" and not HAS_DEEPSPEED:
+            continue
+        outs["distill"][backend] = root / f"distill-{backend}"
+        cases.append(
+            {"recipe": str(distill_recipe(assets, outs["distill"][backend], backend, **distributed))}
+        )
     return cases, outs
 
 
@@ -235,7 +241,7 @@ def same_run(out: Path, reference: Path, weights: str) -> None:
         torch.testing.assert_close(got_w[name], want_w[name], atol=2e-5, rtol=1e-4, msg=name)
 
 
-def distill_recipe(assets: dict, out: Path, backend: str = "none") -> Path:
+def distill_recipe(assets: dict, out: Path, backend: str = "none", **distributed) -> Path:
     """On-policy distillation toward a second tiny model (other weights, the same tokenizer)."""
     from conftest import save_tiny_model
 
@@ -252,13 +258,17 @@ def distill_recipe(assets: dict, out: Path, backend: str = "none") -> Path:
         "distill": {"teacher": str(teacher)},
         "rl": {"num_generations": 2, "max_new_tokens": 6},
     }  # fmt: skip
-    return written(data, out, "ddp" if world > 1 else "none", world, {})
+    return written(data, out, backend, world, distributed)
 
 
-def test_two_ddp_processes_distill_as_one(one_process, backend_runs) -> None:
-    """The same completions, the same loss and KL per step, the same adapter: the teacher replicated on
-    each rank, the divergence divided by the step's completion tokens over both."""
-    out, reference = backend_runs["distill"]["ddp"], one_process["distill"]
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_two_processes_distill_as_one_under_each_backend(backend, one_process, backend_runs) -> None:
+    """The same completions, the same loss and KL per step, the same adapter: the teacher whole on each
+    rank, the student sharded by the backend, the divergence divided by the step's completion tokens
+    over both."""
+    if backend == "deepspeed" and not HAS_DEEPSPEED:
+        pytest.skip("DeepSpeed is not installed (scripts/setup.sh installs it)")
+    out, reference = backend_runs["distill"][backend], one_process["distill"]
     key = lambda r: (r["step"], json.dumps(r["prompt"]), r["completion_ids"])  # noqa: E731 - order within a step
     got, want = sorted(map(key, rollouts(out))), sorted(map(key, rollouts(reference)))
     assert got == want and len(got) == 2 * 8 * 2

@@ -133,33 +133,22 @@ def test_fused_and_plain_log_probs_give_the_same_loss_metrics_and_gradients(tiny
 
 # --- the twin's checks run the kto loss -------------------------------------------------------------------
 def test_the_twin_checks_run_the_kto_loss_and_catch_a_mean_per_micro_batch(monkeypatch):
-    from test_preference_train import _twin_adapter
+    from test_preference_train import _twin_adapter, accumulation_checks
     from transformers import AutoConfig
 
     from liger_cli.twin.kernel_check import check_kernels
-    from liger_cli.twin.pipeline_check import check_pipeline
 
-    config = AutoConfig.for_model("llama")
     objective = Kto(OPTIONS)
-    kernels = check_kernels(config, {"fused_linear_cross_entropy": True}, add_adapter=_twin_adapter(),
-                            objective=objective)  # fmt: skip
+    kernels = check_kernels(AutoConfig.for_model("llama"), {"fused_linear_cross_entropy": True},
+                            add_adapter=_twin_adapter(), objective=objective)  # fmt: skip
     assert kernels.lines() == [
         "kernel check: one step on a tiny twin (the kto loss on completions), patched vs unpatched: "
         "loss, every gradient and greedy generation agree"
     ]
-    run = dict(packing=False, grad_accum=2, add_adapter=_twin_adapter(), objective=objective)
-    _, good = check_pipeline(config, {}, **run)
+    good, bad = accumulation_checks(objective, monkeypatch)
     assert good.error is None and good.line.endswith(
         "(padding, kto loss on labelled completions): loss and every gradient agree"
     )
-    real = Kto.loss
-
-    def mean_per_micro_batch(self, model, batch, num_items):
-        loss, stats = real(self, model, batch, num_items)
-        return loss * num_items / self.units(batch), stats
-
-    monkeypatch.setattr(Kto, "loss", mean_per_micro_batch)
-    _, bad = check_pipeline(config, {}, **run)
     assert bad.error and "the mean over its completions" in bad.error
 
 

@@ -317,26 +317,31 @@ def test_the_kernel_check_compares_the_preference_loss_and_catches_a_wrong_fused
     assert not bad.kernels["fused_linear_cross_entropy"]
 
 
-def test_the_accumulation_check_proves_the_pair_loss_and_catches_a_mean_per_micro_batch(monkeypatch):
+def accumulation_checks(objective, monkeypatch) -> tuple:
+    """The twin's accumulation check of `objective` (a tiny Llama twin with a LoRA adapter, 2 micro-batches),
+    then again with the objective's loss made each micro-batch's own mean: (good, bad) results."""
     from transformers import AutoConfig
 
     from liger_cli.twin.pipeline_check import check_pipeline
 
-    config = AutoConfig.for_model("llama")
-    objective = Preference("orpo", OPTIONS["orpo"])
     run = dict(packing=False, grad_accum=2, add_adapter=_twin_adapter(), objective=objective)
-    _, good = check_pipeline(config, {}, **run)
-    assert good.error is None and good.line.endswith(
-        "(padding, orpo loss on pairs): loss and every gradient agree"
-    )
-    real = Preference.loss
+    _, good = check_pipeline(AutoConfig.for_model("llama"), {}, **run)
+    real = type(objective).loss
 
     def mean_per_micro_batch(self, model, batch, num_items):
         loss, stats = real(self, model, batch, num_items)
         return loss * num_items / self.units(batch), stats  # each micro-batch's own mean
 
-    monkeypatch.setattr(Preference, "loss", mean_per_micro_batch)
-    _, bad = check_pipeline(config, {}, **run)
+    monkeypatch.setattr(type(objective), "loss", mean_per_micro_batch)
+    _, bad = check_pipeline(AutoConfig.for_model("llama"), {}, **run)
+    return good, bad
+
+
+def test_the_accumulation_check_proves_the_pair_loss_and_catches_a_mean_per_micro_batch(monkeypatch):
+    good, bad = accumulation_checks(Preference("orpo", OPTIONS["orpo"]), monkeypatch)
+    assert good.error is None and good.line.endswith(
+        "(padding, orpo loss on pairs): loss and every gradient agree"
+    )
     assert bad.error and "the mean over its pairs" in bad.error
 
 

@@ -257,12 +257,6 @@ def check_distill(recipe) -> None:
             "distill (its rl section holds the "
             f"sampling keys only: {', '.join(SAMPLING)}); remove them"
         )
-    backend = recipe.distributed.backend
-    if backend in ("fsdp1", "fsdp2", "deepspeed"):
-        raise ValueError(
-            f"training.objective distill with distributed.backend {backend}: the teacher is not sharded yet "
-            "(each process holds all of it); set distributed.backend ddp (or none)"
-        )
     if recipe.model.quantize != "none":
         raise ValueError(
             f"training.objective distill with model.quantize {recipe.model.quantize}: a 4-bit teacher is not "

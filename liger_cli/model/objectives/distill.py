@@ -382,14 +382,17 @@ def _deferral_refusal(causal_lm: nn.Module) -> str | None:
 
 def load_teacher(recipe, device: torch.device) -> nn.Module:
     """The teacher, once: from_pretrained in the run's precision (`teacher_dtype`), no remote code, frozen,
-    in eval mode, on `device`, with our fused-loss interception patched in (no kernel that changes a number)."""
+    in eval mode, on `device`, with our fused-loss interception patched in (no kernel that changes a number).
+    Whole on every process under every backend (built outside ZeRO-3's partitioning init): not sharded."""
+    from liger_cli import process_state
     from liger_cli.model.build import model_class, read_config
 
     path = recipe.distill.teacher
     kwargs = {"dtype": teacher_dtype(recipe, device)}
     if recipe.model.attn_implementation:
         kwargs["attn_implementation"] = recipe.model.attn_implementation
-    teacher = model_class(read_config(path)).from_pretrained(path, **kwargs)
+    with process_state.loading_alone():
+        teacher = model_class(read_config(path)).from_pretrained(path, **kwargs)
     teacher.config.use_cache = False
     teacher.requires_grad_(False)
     teacher.eval().to(device)
