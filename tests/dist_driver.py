@@ -44,8 +44,8 @@ _real_save_final = train.save_final
 def _save_final_with_checks(backend, model, tokenizer, out: Path) -> dict:
     """The real save, after recording what the tests need from the trained, still-wrapped model."""
     accelerator = backend.accelerator
-    if accelerator.is_main_process:
-        inner = accelerator.unwrap_model(model)
+    inner = accelerator.unwrap_model(model)
+    if accelerator.is_main_process and inner.get_output_embeddings() is not None:  # a reward model has none
         lm_head = inner.get_output_embeddings().weight
         tied = inner.get_input_embeddings().weight is lm_head
         (out / "checks.json").write_text(json.dumps({"tied": tied, "lm_head_numel": lm_head.numel()}))
@@ -183,6 +183,9 @@ class _Tee:
     def flush(self) -> None:
         for stream in self.streams:
             stream.flush()
+
+    def isatty(self) -> bool:  # asked by what prints in colour (transformers' loading report)
+        return False
 
 
 @contextlib.contextmanager

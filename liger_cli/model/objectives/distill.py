@@ -381,9 +381,9 @@ def _deferral_refusal(causal_lm: nn.Module) -> str | None:
 
 
 def load_teacher(recipe, device: torch.device) -> nn.Module:
-    """The teacher, once: from_pretrained in the run's precision (`teacher_dtype`), no remote code, frozen,
-    in eval mode, on `device`, with our fused-loss interception patched in (no kernel that changes a number).
-    Whole on every process under every backend (built outside ZeRO-3's partitioning init): not sharded."""
+    """The teacher, once, whole on every process (outside ZeRO-3's init): from_pretrained in the run's
+    precision (`teacher_dtype`), no remote code, frozen, in eval mode, on `device`, with our fused-loss
+    interception patched in (no kernel that changes a number)."""
     from liger_cli import process_state
     from liger_cli.model.build import model_class, read_config
 
