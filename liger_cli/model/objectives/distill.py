@@ -394,8 +394,7 @@ def load_teacher(recipe, device: torch.device) -> nn.Module:
     with process_state.loading_alone():
         teacher = model_class(read_config(path)).from_pretrained(path, **kwargs)
     teacher.config.use_cache = False
-    teacher.requires_grad_(False)
-    teacher.eval().to(device)
+    teacher.requires_grad_(False).eval().to(device)
     if why := _deferral_refusal(teacher):
         raise UserError(f"distill.teacher {path}: {why}; distill reads the teacher's lm_head input")
     return teacher
