@@ -106,6 +106,11 @@ def kto_full(assets: dict) -> dict:
             "kto__undesirable_weight": 0.2}  # fmt: skip
 
 
+def reward(assets: dict) -> dict:
+    """A reward model on the preference pairs: its LoRA adapter beside the score head, trained in full."""
+    return {**dpo(assets), "training__objective": "reward"}
+
+
 def preference_cases(assets: dict) -> dict[str, dict]:
     """Every preference objective in the 2-process comparison: DPO with LoRA and full, SimPO with LoRA
     (no reference), ORPO full (no reference, its NLL term), KTO full (its z0 over the step)."""
@@ -181,17 +186,29 @@ def references(assets) -> dict[str, Path]:
     root = assets["root"] / "ref"
     root.mkdir()
     preference = preference_cases(assets)
-    outs = {name: root / name for name in ("lora", "full", "tied", "stream", *preference, *ACCUMULATION)}
+    outs = {
+        name: root / name for name in ("lora", "full", "tied", "stream", "reward", *preference, *ACCUMULATION)
+    }
     cases = [
         write_recipe(assets, outs["lora"]),
         write_recipe(assets, outs["full"], adapter="none"),
         write_recipe(assets, outs["tied"], adapter="none", model="tied"),
         write_recipe(assets, outs["stream"], data__streaming=True),
+        write_recipe(assets, outs["reward"], **reward(assets)),
         *(write_recipe(assets, outs[name], **over) for name, over in preference.items()),
         *(write_recipe(assets, outs[name], **split_step(name)) for name in ACCUMULATION),
     ]
     run_here({"cases": [{"recipe": str(c)} for c in cases]})
     return outs
+
+
+def assert_same_reward_run(out: Path, ref: Path) -> None:
+    """A reward run: the same per-step losses and the same saved adapter, its score head included."""
+    assert losses(out) == pytest.approx(losses(ref), abs=1e-5, rel=0) and len(losses(ref)) == STEPS
+    got, want = (load_file(p / "final" / "adapter_model.safetensors") for p in (out, ref))
+    assert got.keys() == want.keys() and any(".score." in k for k in want), want.keys()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], atol=2e-5, rtol=1e-4, msg=key)
 
 
 def assert_same_run(out: Path, ref: Path) -> None:
@@ -240,6 +257,9 @@ def backend_cases(assets: dict, folder: Path, backend: str) -> tuple[list[dict],
     for name, over in preference_cases(assets).items():
         outs[name] = folder / name
         cases.append({"recipe": str(write_recipe(assets, outs[name], backend, **over))})
+    # A reward model (no lm_head: its score head's gradients reduced like the adapter's).
+    outs["reward"] = folder / "reward"
+    cases.append({"recipe": str(write_recipe(assets, outs["reward"], backend, **reward(assets)))})
     # data.streaming: each rank takes its slice of every global micro-batch of the stream, so the
     # steps see the examples one process sees.
     outs["stream"] = folder / "stream"
@@ -287,13 +307,16 @@ def backend_runs(two_process_launch) -> dict[str, dict]:
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_two_processes_train_the_one_process_model(backend: str, assets, references, backend_runs) -> None:
-    """LoRA and full fine-tuning, with and without activation checkpointing, preference objectives,
-    streaming and a resume, under each backend (one 2-process launch: `backend_runs`)."""
+    """LoRA and full fine-tuning, with and without activation checkpointing, preference objectives, a
+    reward model, streaming and a resume, under each backend (one 2-process launch: `backend_runs`)."""
     run = backend_runs[backend]
     outs, resumed, stdout = run["outs"], run["resumed"], run["stdout"]
 
     for name, out in outs.items():
         ref = references[name if name in references else "full" if name.startswith("full") else "lora"]
+        if name == "reward":  # a sequence-classification model: its own checks
+            assert_same_reward_run(out, ref)
+            continue
         assert_same_run(out, ref)
         for key in ("rewards/margins", "logps/rejected", "eval_loss", "kl", "eval_kl"):  # all ranks' rows
             assert losses(out, key) == pytest.approx(losses(ref, key), abs=1e-4, rel=1e-5), (name, key)
