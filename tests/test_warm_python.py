@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
+from pathlib import Path
 
 import pytest
 import warm_python
@@ -52,3 +54,32 @@ def test_an_environment_imports_may_read_starts_cold_then_gets_its_own_zygote() 
     assert first.stdout == "False\n" and second.stdout == "True\n"
     cold = warm_python.run(["-X", "importtime", "-c", "pass"])  # an interpreter option: cold
     assert cold.returncode == 0 and "import time:" in cold.stderr
+
+
+def test_a_test_stopped_while_its_command_runs_leaves_nothing_running(tmp_path) -> None:
+    """pytest-timeout (or ^C) stops a test inside run(): the command and its zygote are killed, and the
+    next command gets a zygote that answers it, not the old one's last line."""
+
+    class Stopped(Exception):
+        pass
+
+    def stop(*_):
+        raise Stopped
+
+    warm_python.run(["-c", "pass"])  # the zygote is up
+    pid_file = tmp_path / "pid"
+    code = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    previous = signal.signal(signal.SIGALRM, stop)
+    try:
+        signal.alarm(2)
+        with pytest.raises(Stopped):
+            warm_python.run(["-c", code])
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    status = Path(f"/proc/{pid_file.read_text()}/status")
+    deadline = time.monotonic() + 30  # SIGKILL is delivered when the process is next scheduled
+    while status.exists() and "State:\tZ" not in status.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not status.exists() or "State:\tZ" in status.read_text()  # killed (at most not yet reaped)
+    assert warm_python.run(["-c", "print('next')"]).stdout == "next\n"

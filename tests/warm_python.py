@@ -164,7 +164,13 @@ def run(
         zygote.stdin.write((json.dumps(request) + "\n").encode())
         zygote.stdin.flush()
         pid = json.loads(_line(zygote, None))["pid"]
-        done = _line(zygote, timeout)
+        try:
+            done = _line(zygote, timeout)
+        except BaseException:  # the test itself stopped (its own timeout, ^C): no child or zygote outlives it
+            os.killpg(pid, signal.SIGKILL)
+            zygote.kill()
+            _zygotes.pop(_import_env(env))
+            raise
         if done is None:
             os.killpg(pid, signal.SIGKILL)
             _line(zygote, None)
