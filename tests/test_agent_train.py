@@ -183,12 +183,14 @@ def test_generate_and_chat_run_the_tools_as_training_ran_them(runs, tmp_path, mo
         assert len(r["completion_ids"]) == len(r["completion_mask"]) and r["messages"][0]["role"] == "user"
     bad = CliRunner().invoke(cli.app, [*args[:-6], "--tools", "missing.py:f"])
     assert bad.exit_code == 2 and "no such file" in bad.output
-    monkeypatch.setattr("sys.stdin", io.StringIO(f"{answers[0]['prompt']}\n/exit\n"))
+    # A second message goes on the same trajectory; an empty line is skipped; /system starts over.
+    chat = f"{answers[0]['prompt']}\nand {answers[1]['prompt']}\n\n/system Be brief.\n/exit\n"
+    monkeypatch.setattr("sys.stdin", io.StringIO(chat))
     said = io.StringIO()
     code = chat_command(runs["whole"] / "final", None, Sampling(80, 0.0), False, None, None, out=said,
                         agent=((tools,), None, 2))  # fmt: skip
     text = said.getvalue()
-    assert code == 0 and "(tools: lookup;" in text
+    assert code == 0 and "(tools: lookup;" in text and text.endswith("(conversation reset)\n"), text
     # The chat is the same greedy trajectory as generate's first row: the same call, result and answer.
     call, result, answer = rows[0]["messages"][1:4]
     assert f"[call lookup({call['tool_calls'][0]['function']['arguments']})]" in text, text

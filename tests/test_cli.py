@@ -34,6 +34,25 @@ def test_help_imports_nothing_heavy() -> None:
     assert proc.stdout.strip() == "[]", f"heavy modules imported by --help: {proc.stdout}"
 
 
+LEAVE = """
+import atexit, sys, threading, time
+from liger_cli.process_state import leave
+atexit.register(lambda: sys.stdout.write(" atexit"))
+threading.Thread(target=lambda: (time.sleep(0.3), sys.stdout.write(" thread"))).start()
+sys.stdout.write("unflushed")
+leave({"none": None, "3": 3}.get(sys.argv[1], sys.argv[1]))
+"""
+
+
+def test_leave_exits_as_python_does_without_the_teardown() -> None:
+    """`liger`'s exit (process_state.leave): the thread joined, then atexit, then the buffers flushed;
+    None is 0, a number its code, a text printed to stderr with code 1, as SystemExit does."""
+    for code, status in (("none", 0), ("3", 3), ("a message", 1)):
+        proc = subprocess.run([sys.executable, "-c", LEAVE, code], capture_output=True, text=True, timeout=60)
+        assert (proc.returncode, proc.stdout) == (status, "unflushed thread atexit"), (code, proc)
+        assert proc.stderr == ("a message\n" if status == 1 else ""), proc.stderr
+
+
 def test_console_script_and_module_are_the_same() -> None:
     liger = shutil.which("liger", path=str(Path(sys.executable).parent))
     assert liger, "the `liger` console script is not installed next to this python"

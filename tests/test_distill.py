@@ -294,6 +294,7 @@ def test_the_recipe_refuses_what_distill_does_not_do(tmp_path, tiny_model_dir):
         ({"training": {"max_steps": 1}}, "the distill section goes with training.objective grpo or distill"),
         ({"training": {"objective": "grpo", "max_steps": 1}, "rl": {"rewards": [{"function": "m:f"}]}},
          "the distill section applies to training.objective distill"),
+        ({"model": {"path": str(tiny_model_dir), "quantize": "nf4"}}, "a 4-bit teacher is not supported yet"),
     ]  # fmt: skip
     for over, message in cases:
         data = {**base, **over}

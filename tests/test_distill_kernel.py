@@ -314,3 +314,20 @@ def test_bad_arguments_raise_one_clear_error():
         fused_linear_divergence(hs, ws, ht, wt[:-1], targets)
     with pytest.raises(ValueError, match="teacher_hidden is torch.float32 but teacher_weight torch.bfloat16"):
         fused_linear_divergence(hs, ws, ht, wt.bfloat16(), targets)
+
+
+def test_the_reference_the_benchmark_measures_is_this_formula():
+    """bench/distill_kernel.py's baseline (`fused_linear_divergence_reference`, shipped beside the kernel)
+    computes the divergence written here, for every loss and beta, in float64."""
+    every = torch.zeros(BATCH, SEQ, dtype=torch.long, device=DEVICE)  # every position learned
+    (hs, ws, bs), (ht, wt, bt) = (
+        [t.detach().double() for t in pair] for pair in inputs(torch.float64, scale=2.0)
+    )
+    for loss, beta in CASES:
+        want = formula((hs, ws, bs), (ht, wt, bt), every, loss, beta, 0.7)[:, :-1].reshape(-1)
+        student, teacher = hs[:, :-1].reshape(-1, HIDDEN), ht[:, :-1].reshape(-1, TEACHER_HIDDEN)
+        got = distill_module.fused_linear_divergence_reference(
+            student, ws, teacher, wt, loss, beta, 0.7, bs, bt
+        )
+        assert got.dtype == torch.float32  # its logits in fp32, as the bench's unfused baseline computes them
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6, msg=f"{loss} beta {beta}")

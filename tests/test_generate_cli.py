@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 from test_distributed import child_env, free_port
 from test_output_safety import one_line_error
 from test_train import QUICK_DATA, liger, recipe_text
@@ -180,6 +182,20 @@ def test_user_mistakes_are_one_line_and_write_nothing(run: Path, prompts: Path, 
     no_prompt.write_text('{"question": "a"}\n')
     chat_row = tmp_path / "chat.jsonl"
     chat_row.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    folders = {name: tmp_path / name for name in ("broken", "bad-adapter", "baseless", "untokenized", "sharded",
+                                                  "foreign")}  # fmt: skip
+    for folder in list(folders.values())[:4]:
+        folder.mkdir()
+    (folders["broken"] / "recipe.yaml").write_text("model: [unclosed\n")
+    (folders["broken"] / "plan.txt").write_text("")
+    (folders["bad-adapter"] / "adapter_config.json").write_text("not json")
+    (folders["baseless"] / "adapter_config.json").write_text('{"base_model_name_or_path": "/nowhere"}')
+    (folders["untokenized"] / "config.json").write_text('{"model_type": "llama"}')
+    (unsaved / "checkpoints" / "step-3").mkdir(parents=True)
+    for name in ("sharded", "foreign"):  # a checkpoint as FSDP writes it, and one of another model
+        shutil.copytree(run, folders[name], ignore=shutil.ignore_patterns("final", "step-2"))
+    (folders["sharded"] / "checkpoints" / "step-4" / "model.safetensors").unlink()
+    save_file({"x": torch.zeros(2)}, folders["foreign"] / "checkpoints" / "step-4" / "model.safetensors")
     cases = {
         "no final model and no complete checkpoint": [str(unsaved), "--prompts", str(prompts)],
         "bad.jsonl line 2: not JSON": [str(run), "--prompts", str(bad_json)],
@@ -205,7 +221,17 @@ def test_user_mistakes_are_one_line_and_write_nothing(run: Path, prompts: Path, 
         ],  # fmt: skip
         "--top-p 1.5: must be in (0, 1]": [str(run), "--prompts", str(prompts), "--top-p", "1.5"],
         "no such run or model folder": [str(tmp_path / "nowhere"), "--prompts", str(prompts)],
-    }
+        "--format xml: choose one of text, instruction, chat": [str(run), "--prompts", str(prompts), "--format", "xml"],
+        "no adapter_config.json there; give a peft adapter folder": [str(run), "--adapter", str(tmp_path), "--prompts", str(prompts)],
+        "--adapter goes on a base model folder (with config.json)": [str(tmp_path), "--adapter", str(run / "final"), "--prompts", str(prompts)],
+        "broken/recipe.yaml is not a liger run's recipe": [str(folders["broken"]), "--prompts", str(prompts)],
+        "step-3 holds no saved model": [str(unsaved / "checkpoints" / "step-3"), "--prompts", str(prompts)],
+        "bad-adapter/adapter_config.json is not a peft adapter config": [str(folders["bad-adapter"]), "--prompts", str(prompts)],
+        "the adapter's base model '/nowhere' is not a local model folder": [str(folders["baseless"]), "--prompts", str(prompts)],
+        "untokenized has no tokenizer (no tokenizer_config.json or tokenizer.json)": [str(folders["untokenized"]), "--prompts", str(prompts)],
+        "written by a sharding backend": [str(folders["sharded"]), "--prompts", str(prompts)],
+        "does not fit the run's model (1 unexpected": [str(folders["foreign"]), "--prompts", str(prompts)],
+    }  # fmt: skip
     for expected, args in cases.items():
         line = one_line_error(invoke("generate", *args, "--out", str(out)))
         assert expected in line, (expected, line)
@@ -297,3 +323,24 @@ def test_chat_streams_the_reply_generate_gives(run: Path, tmp_path: Path) -> Non
     term.read_until("(system message set; conversation reset)")
     term.type("/exit")
     assert term.proc.wait(timeout=30) == 0
+
+
+def test_chat_answers_or_explains_each_kind_of_message(run: Path, tmp_path: Path, monkeypatch) -> None:
+    """In this process, the messages a terminal session rarely sends: an empty line is skipped, `/image`
+    on a text model is refused, a conversation past the model's 256 positions asks for /reset, and a
+    message still continued at end of input is answered. --kernels reports what the twin proved."""
+    import io
+
+    from liger_cli.generate.engine import Sampling
+    from liger_cli.serve.chat import chat_command
+
+    long = " ".join(["seven"] * 300)
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"\n/image {tmp_path / 'x.png'}\n{long}\nhello\\\n"))
+    said = io.StringIO()
+    assert chat_command(run, None, Sampling(4, 0.0), True, "chat", None, out=said) == 0
+    text = said.getvalue()
+    assert "kernels: " in text and "rms_norm" in text, text
+    assert "(this model takes no images: /image needs a vision-language run" in text
+    assert "tokens, the model's limit is 256: /reset to go on)" in text
+    assert text.count("model> ") == 1  # only the continued "hello" was answered
+    assert text.index("model> ") > text.index("the model's limit is 256")

@@ -372,6 +372,11 @@ def test_the_recipe_refuses_what_grpo_cannot_do(tmp_path, tiny_model_dir):
         "training": {"objective": "grpo", "max_steps": 1},
         "rl": {"max_new_tokens": 8, "rewards": [{"function": "rewards.py:f"}]},
     }
+    runs = {name: tmp_path / name for name in ("bad", "sft", "unfinished")}  # rl.rewards model folders
+    for name, text in {"bad": "training: [unclosed\n", "sft": "training: {objective: sft}\n",
+                       "unfinished": "training: {objective: reward}\n"}.items():  # fmt: skip
+        runs[name].mkdir()
+        (runs[name] / "recipe.yaml").write_text(text)
     recipe = validate_recipe(base, tmp_path)
     assert recipe.rl.epsilon_high == recipe.rl.epsilon == 0.2
     assert recipe.rl.rewards[0].function == f"{tmp_path / 'rewards.py'}:f"  # anchored at the recipe
@@ -393,7 +398,19 @@ def test_the_recipe_refuses_what_grpo_cannot_do(tmp_path, tiny_model_dir):
             {"rl": {"loss": "cispo", "epsilon": 0.1, "rewards": [{"function": "m:f"}]}},
             "cispo has none.*remove rl.epsilon",
         ),
-    ]
+        ({"rl": {**base["rl"], "tools": ["t.py:f"], "environment": "e.py:E"}}, "rl.tools and rl.environment: give one"),
+        ({"rl": {**base["rl"], "max_turns": 2}}, "rl.max_turns applies to runs with rl.tools or rl.environment"),
+        ({"rl": {"rewards": [{"function": "m:f", "model": str(tmp_path)}]}}, "gives one of function .* or model"),
+        ({"rl": {"rewards": [{"model": str(tmp_path)}]}}, "not a liger run folder"),
+        ({"rl": {"rewards": [{"model": str(runs["bad"])}]}}, r"is not a liger run's recipe \(ParserError\)"),
+        ({"rl": {"rewards": [{"model": str(runs["sft"])}]}}, "a sft run, not a reward model"),
+        ({"rl": {"rewards": [{"model": str(runs["unfinished"] / "final")}]}}, "no final model in .*has not finished"),
+        ({"preference": {"beta": 0.2}}, "the preference section applies to dpo, simpo and orpo"),
+        ({"reward": {"center_coefficient": 0.01}}, "the reward section applies to training.objective reward"),
+        ({"kto": {"beta": 0.2}}, "the kto section applies to training.objective kto"),
+        ({"data": {**base["data"], "packing": True}}, "data.packing and data.streaming do not apply to prompts"),
+        ({"training": {**base["training"], "eval_samples": 2}}, "evaluates greedy completions of every eval prompt"),
+    ]  # fmt: skip
     for over, message in cases:
         data = {**base, **over}
         if data.get("rl") is None:

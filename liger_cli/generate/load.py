@@ -124,8 +124,14 @@ def load_tokenizer_for(target: Target):
         from liger_cli.data.tokenizer import load_tokenizer
 
         return load_tokenizer(target.recipe)
-    source = target.weights if (target.weights / "tokenizer_config.json").is_file() else target.base
+    has_own = (target.weights / "tokenizer_config.json").is_file()
+    source = target.weights if has_own or target.base is None else target.base
     trust = bool(target.recipe and target.recipe.model.trust_remote_code)
+    if not any((source / name).is_file() for name in ("tokenizer_config.json", "tokenizer.json")):
+        raise UserError(
+            f"{source} has no tokenizer (no tokenizer_config.json or tokenizer.json): save the tokenizer "
+            "beside the model (tokenizer.save_pretrained), or give the folder that has both"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust)
     except (OSError, ValueError) as err:
