@@ -116,8 +116,11 @@ def train(
     memory_bytes = _device_memory(device_memory) if dry_run else None
     loaded = load_recipe(recipe, set_ or [])
     from liger_cli.process_state import hide_bitsandbytes_unless_quantized, hide_deepspeed_unless_used
+    from liger_cli.recipe.rl_section import teacher_quantize
 
-    hide_bitsandbytes_unless_quantized(loaded.model.quantize, loaded.model.path or loaded.model.config)
+    teacher = teacher_quantize(loaded) if loaded.distill is not None else "none"
+    quantized = loaded.model.quantize if teacher == "none" else teacher  # the teacher needs bitsandbytes too
+    hide_bitsandbytes_unless_quantized(quantized, loaded.model.path or loaded.model.config)
     hide_deepspeed_unless_used(loaded.distributed.backend)
     if dry_run:
         from liger_cli.plan.dry_run import dry_run

@@ -174,6 +174,50 @@ def test_the_memory_plan_counts_the_teacher(setup, tmp_path) -> None:
     assert components["teacher"] == weights + 8 * 48 * 32 * 4
 
 
+def test_a_4bit_teacher_and_a_qlora_student_train_on_their_4bit_forwards(setup, tmp_path) -> None:
+    """model.quantize nf4: the student's base and (by default, as the student) the teacher load with
+    4-bit linear layers. Step 1's loss is the KL between the two models as transformers loads them in
+    4 bits (recomputed here from the rollouts), and the memory plan counts the teacher's 4-bit bytes
+    as bitsandbytes stores them (within 1%). Hidden 64: whole 64-weight blocks per row."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    student = save_tiny_model(tmp_path / "s64", hidden_size=64, intermediate_size=128)
+    teacher = save_tiny_model(
+        tmp_path / "t64", seed=1, hidden_size=64, intermediate_size=128, initializer_range=0.3
+    )
+    out = tmp_path / "q"
+    recipe = distill_recipe(setup["root"], student, teacher, out, model__quantize="nf4", training__max_steps=1,
+                            training__eval_every=None, training__grad_accum=1)  # fmt: skip
+    proc = liger_here("train", str(recipe), "--set", "kernels.check=false")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "nf4 4-bit linear layers, frozen" in proc.stdout
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                bnb_4bit_compute_dtype=torch.float32)  # fmt: skip
+    models = [
+        AutoModelForCausalLM.from_pretrained(m, quantization_config=config).eval() for m in (student, teacher)
+    ]
+    rows = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
+    assert len(rows) == 4  # 2 prompts x 2 completions
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for r in rows:
+            ids = torch.tensor([r["prompt_ids"] + r["completion_ids"]])
+            start, n = len(r["prompt_ids"]) - 1, len(r["completion_ids"])
+            kl = reverse_kl(*(m(input_ids=ids).logits for m in models))[0, start : start + n]
+            total, tokens = total + kl.sum().item(), tokens + n
+    first = next(m for m in metrics(out) if m["step"] == 1 and "loss" in m)
+    assert first["loss"] == pytest.approx(total / tokens, rel=1e-4)
+
+    dry = liger_here("train", str(recipe), "--dry-run", "--json", "--set", "kernels.check=false")
+    planned = (
+        json.loads(dry.stdout)["memory"]["components"]["teacher"] - 2 * 2 * 48 * 64 * 4
+    )  # - hidden states
+    stored = {t.data_ptr(): t.numel() * t.element_size() for t in models[1].state_dict().values()}
+    assert planned == pytest.approx(sum(stored.values()), rel=0.01)
+    full = sum(t.numel() * 4 for t in load_file(teacher / "model.safetensors").values())
+    assert planned < 0.7 * full  # the unquantized embeddings and lm_head are most of a tiny model
+
+
 # --- the loss on hand-made rollouts ------------------------------------------------------------------------
 
 
@@ -273,6 +317,7 @@ def test_fused_and_plain_give_the_same_divergences(policies):
 
 def test_the_recipe_refuses_what_distill_does_not_do(tmp_path, tiny_model_dir):
     from liger_cli.recipe.load import validate_recipe
+    from liger_cli.recipe.rl_section import teacher_quantize
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "hi", "answer": "x"}\n')
@@ -294,7 +339,7 @@ def test_the_recipe_refuses_what_distill_does_not_do(tmp_path, tiny_model_dir):
         ({"training": {"max_steps": 1}}, "the distill section goes with training.objective grpo or distill"),
         ({"training": {"objective": "grpo", "max_steps": 1}, "rl": {"rewards": [{"function": "m:f"}]}},
          "the distill section applies to training.objective distill"),
-        ({"model": {"path": str(tiny_model_dir), "quantize": "nf4"}}, "a 4-bit teacher is not supported yet"),
+        ({"distill": {"teacher": str(tiny_model_dir), "quantize": "int8"}}, "distill.quantize.*'none', 'nf4' or 'fp4'"),
     ]  # fmt: skip
     for over, message in cases:
         data = {**base, **over}
@@ -303,6 +348,13 @@ def test_the_recipe_refuses_what_distill_does_not_do(tmp_path, tiny_model_dir):
                 data.pop(key)
         with pytest.raises(UserError, match=message):
             validate_recipe(data, tmp_path)
+    four_bit = {
+        **base,
+        "model": {**base["model"], "quantize": "nf4"},
+    }  # the teacher as the student, or its own
+    assert teacher_quantize(validate_recipe(four_bit, tmp_path)) == "nf4"
+    four_bit["distill"] = {**base["distill"], "quantize": "none"}
+    assert teacher_quantize(validate_recipe(four_bit, tmp_path)) == "none"
     grpo = {**base, "training": {"objective": "grpo", "max_steps": 1}}
     grpo.pop("distill")
     with pytest.raises(UserError, match="needs rl.rewards, at least one"):

@@ -1,7 +1,8 @@
 """Stage 3, the model: the recipe's model (real, or on the meta device), its adapter, activation
 checkpointing and our kernels patched into the instance (`build.py`); a vision-language model's parts
-(`vision.py`) and which of them train (`vision_training.py`); and what its loss on a batch is
-(`objectives/`), which the run trains with and the twin's checks prove.
+(`vision.py`) and which of them train (`vision_training.py`); a distill run's frozen teacher
+(`teacher.py`); and what its loss on a batch is (`objectives/`), which the run trains with and the
+twin's checks prove.
 
 Takes plain decisions (which kernels, which checkpointing) rather than the Plan, which is decided
 later in the flow from this stage's meta model. May import `recipe` and `data`.

@@ -39,16 +39,16 @@ def shards_weights(recipe) -> bool:
     return recipe.distributed.shards_weights
 
 
-def require_bitsandbytes(quantize: str):
-    """The bitsandbytes module, or a UserError saying why `model.quantize: quantize` cannot run here."""
+def require_bitsandbytes(quantize: str, key: str = "model.quantize"):
+    """The bitsandbytes module, or a UserError saying why `key: quantize` cannot run here."""
     process_state.silence_hub_kernel_notice()
     try:
         import bitsandbytes
     except Exception as err:  # ImportError, or a native library that does not load
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise UserError(
-            f"model.quantize {quantize} needs bitsandbytes, which does not load here ({first}): "
-            "pip install bitsandbytes (Linux x86_64/aarch64, Windows, macOS arm64), or set model.quantize: none"
+            f"{key} {quantize} needs bitsandbytes, which does not load here ({first}): "
+            f"pip install bitsandbytes (Linux x86_64/aarch64, Windows, macOS arm64), or set {key}: none"
         ) from None
     return bitsandbytes
 
@@ -65,13 +65,20 @@ def describe(recipe, dtype: torch.dtype) -> str:
     )
 
 
-def quantization_config(quantize: str, double: bool, dtype: torch.dtype, storage: torch.dtype = torch.uint8):
+def quantization_config(
+    quantize: str,
+    double: bool,
+    dtype: torch.dtype,
+    storage: torch.dtype = torch.uint8,
+    key: str = "model.quantize",
+):
     """transformers' BitsAndBytesConfig: `quantize` (nf4/fp4) 4-bit weights packed in `storage` (uint8,
     or the model's dtype where the backend shards them: `shards_weights`), compute in `dtype`
-    (model.dtype's); the run's and `liger merge`'s (which reads a finished run's settings)."""
+    (model.dtype's); the run's, a distill teacher's (`key` distill.quantize) and `liger merge`'s (which reads
+    a finished run's settings)."""
     from transformers import BitsAndBytesConfig
 
-    require_bitsandbytes(quantize)
+    require_bitsandbytes(quantize, key)
     return BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type=quantize,
@@ -226,7 +233,11 @@ def four_bit_bytes(recipe, model: nn.Module) -> dict[int, tuple[int, int]]:
     against a loaded model's state dict). The packed bytes shard; the statistics stay whole."""
     if recipe.model.quantize == "none":
         return {}
-    double = recipe.model.quantize_double
+    return four_bit_sizes(model, recipe.model.quantize_double)
+
+
+def four_bit_sizes(model: nn.Module, double: bool) -> dict[int, tuple[int, int]]:
+    """`four_bit_bytes` of any model whose linear layers load in 4 bits (a distill teacher's too)."""
     found = {}
     for name, module in model.named_modules():
         if type(module) is not nn.Linear or "lora_" in name or name.rsplit(".", 1)[-1] == "lm_head":

@@ -168,7 +168,7 @@ def build_plan(recipe: Recipe, model: nn.Module | None = None, env: Mapping[str,
     if recipe.rl is not None and recipe.rl.agentic:
         notes.append(_rollout_note(recipe))
     if t.objective == "distill":  # the teacher's tokenizer and forward, checked before any weight loads
-        from liger_cli.model.objectives.distill import check_teacher
+        from liger_cli.model.teacher import check_teacher
 
         notes.append(check_teacher(recipe))
     return Plan(

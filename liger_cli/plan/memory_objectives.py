@@ -44,7 +44,7 @@ def kv_cache_bytes(recipe: Recipe) -> int:
 
 
 def teacher_bytes(recipe: Recipe, device: str) -> int:
-    """distill: the teacher's weights in the dtype it loads in (every process holds all of them), and
+    """distill: the teacher's weights as it loads them (its dtype, or 4 bits; every process holds all), and
     its final hidden states for the step's micro-batches of completions at data.max_seq_len (held from
     sampling to each one's loss); 0 for the other objectives."""
     if recipe.training.objective != "distill":
@@ -52,11 +52,15 @@ def teacher_bytes(recipe: Recipe, device: str) -> int:
     import torch
 
     from liger_cli.model import meta_model_from_config
-    from liger_cli.model.objectives.distill import teacher_dtype
+    from liger_cli.model.quantize import four_bit_sizes
+    from liger_cli.model.teacher import teacher_dtype
+    from liger_cli.recipe.rl_section import teacher_quantize
 
     dtype = teacher_dtype(recipe, torch.device(device))
     meta = meta_model_from_config(recipe.distill.teacher, dtype=dtype)
-    weights = sum(p.numel() for p in meta.parameters()) * dtype.itemsize
+    four_bit = four_bit_sizes(meta, double=True) if teacher_quantize(recipe) != "none" else {}
+    weights = sum(sum(four_bit[id(p)]) if id(p) in four_bit else p.numel() * dtype.itemsize
+                  for p in meta.parameters())  # fmt: skip
     width = meta.config.get_text_config().hidden_size
     t = recipe.training
     rows = t.micro_batch_size * t.grad_accum * recipe.rl.num_generations

@@ -175,6 +175,9 @@ class DistillSection(_Section):
     """jsd only: TRL GKD's beta, the teacher's weight in the mixture (0: forward KL, 1: reverse KL)."""
     temperature: float = Field(1.0, gt=0)
     """Both models' distributions are softmax(logits / temperature) in the divergence."""
+    quantize: Literal["none", "nf4", "fp4"] | None = None
+    """The teacher's linear layers in 4 bits (bitsandbytes, double quantization; lm_head and embeddings
+    unquantized), computed in the run's precision; default: as model.quantize."""
 
     @model_validator(mode="after")
     def _applies(self) -> DistillSection:
@@ -238,8 +241,7 @@ def check_rl(recipe) -> None:
 
 
 def check_distill(recipe) -> None:
-    """training.objective distill: a teacher, the rl section's sampling keys only, and what is not done yet
-    refused (sharded backends, a 4-bit base)."""
+    """training.objective distill: a teacher, and the rl section's sampling keys only."""
     if recipe.distill is None:
         raise ValueError(
             "training.objective distill needs a distill section with the teacher, e.g. "
@@ -257,11 +259,12 @@ def check_distill(recipe) -> None:
             "distill (its rl section holds the "
             f"sampling keys only: {', '.join(SAMPLING)}); remove them"
         )
-    if recipe.model.quantize != "none":
-        raise ValueError(
-            f"training.objective distill with model.quantize {recipe.model.quantize}: a 4-bit teacher is not "
-            "supported yet (nor a 4-bit student beside a full-precision one); set model.quantize: none"
-        )
+
+
+def teacher_quantize(recipe) -> str:
+    """How the teacher's linear layers load: distill.quantize, else as the student's (model.quantize)."""
+    chosen = recipe.distill.quantize
+    return recipe.model.quantize if chosen is None else chosen
 
 
 def dump_online(recipe, data: dict) -> None:
