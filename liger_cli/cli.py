@@ -184,23 +184,10 @@ def inspect_wrap(
     ] = None,
 ) -> None:
     """Show how FSDP will shard a model, without loading weights, and warn about plans known to break."""
-    if model is None and recipe is None:
-        raise UserError("give a MODEL (folder, config.json or package.module:factory) or --recipe RECIPE")
-    from liger_cli.plan.backends import FSDP_BACKENDS
-    from liger_cli.plan.inspect_wrap import inspect_command
+    from liger_cli.plan.inspect_wrap import check_arguments, inspect_command
 
-    if backend is not None and backend not in FSDP_BACKENDS:
-        raise UserError(f"--backend {backend!r}: choose {' or '.join(FSDP_BACKENDS)}")
-    if num_processes is not None and num_processes < 1:
-        raise UserError(f"--num-processes {num_processes}: must be at least 1")
-    if device_memory is not None and recipe is None:
-        raise UserError("--device-memory needs --recipe: the memory plan is a recipe's")
+    check_arguments(model, recipe, backend, num_processes, device_memory, vision)
     memory_bytes = _device_memory(device_memory) if recipe is not None else None
-    from liger_cli.model.vision import VISION_MODES
-
-    if vision is not None and vision not in VISION_MODES:
-        raise UserError(f"--vision {vision!r}: choose {', '.join(VISION_MODES)}")
-
     raise typer.Exit(
         inspect_command(
             model=model,
@@ -217,6 +204,30 @@ def inspect_wrap(
     )
 
 
+@command("distributed.md")
+def launch(
+    recipe: RecipeArgument,
+    nodes: Annotated[int, typer.Option(help="Machines in the job.")] = 1,
+    procs: Annotated[int, typer.Option(help="Processes per machine (one per GPU).")] = 1,
+    main_ip: Annotated[
+        str | None, typer.Option(help="The first machine's address (default: the recipe's main_process_ip).")
+    ] = None,
+    port: Annotated[
+        int | None, typer.Option(help="The rendezvous port (default: the recipe's, 29500).")
+    ] = None,
+    slurm: Annotated[
+        bool, typer.Option(help="Write a Slurm batch script instead (srun, one task a node).")
+    ] = False,
+    out: Annotated[Path | None, typer.Option(help="Write to this file instead of printing.")] = None,
+    set_: SetOption = None,
+) -> None:
+    """Print the command each machine runs for NODES x PROCS processes of the recipe, or a Slurm script."""
+    from liger_cli.launch.nodes import launch_command
+
+    text = launch_command(recipe, set_ or [], nodes, procs, main_ip, port, slurm, out)
+    typer.echo(f"wrote {out}" if out is not None else text, nl=out is not None)
+
+
 @command("adapters.md")
 def merge(
     run_dir: Annotated[Path, typer.Argument(help="A finished run's output.dir (holds the final adapter).")],
@@ -226,21 +237,8 @@ def merge(
     """Merge a run's LoRA adapter into its base model and save the full model (save_pretrained)."""
     from liger_cli.merge import merge_adapter
 
-    result = merge_adapter(run_dir, out_dir, overwrite=overwrite)
-    typer.echo(f"merged model written to {out_dir}")
-    base = "the full-precision base + adapter" if result.quantized else "base + adapter"
-    probe = "probe batches of token ids and of images" if result.images else "a probe batch"
-    typer.echo(
-        f"merge verified: the merged model reloaded gives {base}'s logits on {probe} (largest difference {result.diff:.2g})"
-    )
-    if result.no_image_probe:
-        typer.echo(f"no image probe for this vision-language model ({result.no_image_probe}): token ids only")
-    if result.quantized:
-        typer.echo(
-            f"QLoRA: the run trained on a {result.quantized} 4-bit base; the merge is into the full-precision "
-            f"base. Largest logit difference, adapter on the 4-bit base vs merged: {result.quantized_diff:.3g} "
-            "(the base's quantization error, not checked)"
-        )
+    for line in merge_adapter(run_dir, out_dir, overwrite=overwrite).report(out_dir):
+        typer.echo(line)
 
 
 @command("bench.md")

@@ -172,6 +172,25 @@ class MergeResult:
     no_image_probe: str | None = None
     """Why a vision-language model was checked on token ids only."""
 
+    def report(self, out_dir: Path) -> list[str]:
+        """What `liger merge` prints: where, what was verified against what, and QLoRA's base error."""
+        base = "the full-precision base + adapter" if self.quantized else "base + adapter"
+        probe = "probe batches of token ids and of images" if self.images else "a probe batch"
+        lines = [f"merged model written to {out_dir}",
+                 f"merge verified: the merged model reloaded gives {base}'s logits on {probe} (largest "
+                 f"difference {self.diff:.2g})"]  # fmt: skip
+        if self.no_image_probe:
+            lines.append(
+                f"no image probe for this vision-language model ({self.no_image_probe}): token ids only"
+            )
+        if self.quantized:
+            lines.append(
+                f"QLoRA: the run trained on a {self.quantized} 4-bit base; the merge is into the full-precision "
+                f"base. Largest logit difference, adapter on the 4-bit base vs merged: {self.quantized_diff:.3g} "
+                "(the base's quantization error, not checked)"
+            )
+        return lines
+
 
 def quantization_of(run_dir: Path) -> str | None:
     """The 4-bit quantization the run trained on ("nf4" / "fp4", from its recipe.yaml), or None."""

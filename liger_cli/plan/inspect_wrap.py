@@ -68,6 +68,22 @@ def apply_default_lora(model: nn.Module, exclude: str | None = None) -> nn.Modul
         raise UserError(f"--lora: peft cannot apply LoRA to this model: {err}") from None
 
 
+def check_arguments(model, recipe, backend, num_processes, device_memory, vision) -> None:
+    """`liger inspect-wrap`'s options that cannot go together or hold a wrong value: a one-line UserError."""
+    from liger_cli.model.vision import VISION_MODES
+
+    if model is None and recipe is None:
+        raise UserError("give a MODEL (folder, config.json or package.module:factory) or --recipe RECIPE")
+    if backend is not None and backend not in FSDP_BACKENDS:
+        raise UserError(f"--backend {backend!r}: choose {' or '.join(FSDP_BACKENDS)}")
+    if num_processes is not None and num_processes < 1:
+        raise UserError(f"--num-processes {num_processes}: must be at least 1")
+    if device_memory is not None and recipe is None:
+        raise UserError("--device-memory needs --recipe: the memory plan is a recipe's")
+    if vision is not None and vision not in VISION_MODES:
+        raise UserError(f"--vision {vision!r}: choose {', '.join(VISION_MODES)}")
+
+
 def inspect_command(
     model: str | None,
     recipe: Path | None,
