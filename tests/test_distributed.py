@@ -489,3 +489,54 @@ def test_a_run_with_fewer_processes_than_the_recipe_stops(assets, tmp_path: Path
     assert proc.returncode != 0
     assert "asks for 2 processes but this run has 1" in proc.stderr
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def two_machines(recipe: Path, port: int, *overrides: str) -> list[subprocess.CompletedProcess]:
+    """`liger launch --nodes 2 --procs 1 --main-ip 127.0.0.1`'s two commands, run at once as two `liger
+    train` processes: each is one machine, its own `accelerate launch --num_machines 2 --machine_rank R`.
+    Their output goes to files (a full pipe would stop one machine and the other would wait on it)."""
+    from liger_cli.launch.nodes import Job
+
+    job = Job(2, 1, "127.0.0.1", port)
+    logs = [recipe.with_name(f"{recipe.stem}-{port}.machine{r}") for r in (0, 1)]
+    machines = []
+    try:
+        for rank, log in enumerate(logs):
+            with open(log, "w") as sink:
+                argv = [sys.executable, "-m", "liger_cli", *job.command(recipe, list(overrides), rank)[1:]]
+                machines.append(
+                    subprocess.Popen(argv, env=child_env(), stdout=sink, stderr=subprocess.STDOUT)
+                )
+        codes = [m.wait(timeout=500) for m in machines]
+    finally:
+        for m in machines:
+            m.kill()
+    return [
+        subprocess.CompletedProcess(m.args, c, log.read_text(), "")
+        for m, c, log in zip(machines, codes, logs, strict=True)
+    ]
+
+
+@pytest.mark.timeout(1200)
+def test_two_machines_train_what_one_launch_trains(assets, references, backend_runs, tmp_path: Path) -> None:
+    """Two "machines" on this one (FSDP-2, one process each): the same losses and adapter as the shared
+    launch's 2-process FSDP-2 run and as 1 process; metrics and checkpoints written once (by global rank
+    0, into the folder both machines see); and resuming its step-2 checkpoint on two machines finishes
+    the same run."""
+    out, resumed = tmp_path / "two-machines", tmp_path / "resumed"
+    for machine in two_machines(write_recipe(assets, out, "fsdp2", output__save_every=2), free_port()):
+        assert machine.returncode == 0, machine.stdout[-3000:]
+    assert_same_run(out, backend_runs["fsdp2"]["outs"]["lora"])
+    assert_same_run(out, references["lora"])
+    assert "2 on 2 machine(s)" in (out / "plan.txt").read_text()
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == len(
+        (references["lora"] / "metrics.jsonl").read_text().splitlines()
+    )
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2", "step-4"]
+    resume = {"output__resume": str(out / "checkpoints" / "step-2")}
+    for machine in two_machines(write_recipe(assets, resumed, "fsdp2", **resume), free_port()):
+        assert machine.returncode == 0, machine.stdout[-3000:]
+    assert losses(resumed) == pytest.approx(losses(out)[2:], abs=1e-5, rel=0)
+    got, want = (load_file(p / "final" / "adapter_model.safetensors") for p in (resumed, out))
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], atol=1e-6, rtol=0, msg=key)
