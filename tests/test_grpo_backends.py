@@ -28,13 +28,17 @@ TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Respon
 BACKENDS = {"ddp": {}, "fsdp1": {}, "fsdp2": {}, "deepspeed": {"zero_stage": 3}}  # DeepSpeed last (below)
 # The loss of each backend's LoRA and full runs: grpo, or GSPO (LoRA) and CISPO (full) trained twice on
 # each batch (`num_iterations` 2: step 2 is off-policy, its ratios and clipping from the old log-probs
-# each rank kept), each loss under two backends.
+# each rank kept): GSPO and CISPO under three backends each, the grpo loss under two (and the multi-turn
+# runs' dapo under all four).
 LOSSES = {
     "grpo": {"lora": {}, "full": {}},
     "off-policy": {"lora": {"loss": "gspo", "epsilon": 3e-4, "epsilon_high": 4e-4, "num_iterations": 2},
                    "full": {"loss": "cispo", "epsilon_high": 4.0, "num_iterations": 2}},
 }  # fmt: skip
-BACKEND_LOSS = {"ddp": "off-policy", "fsdp1": "grpo", "fsdp2": "off-policy", "deepspeed": "grpo"}
+BACKEND_LOSS = {  # backend -> (its LoRA run's loss, its full run's)
+    "ddp": ("off-policy", "off-policy"), "fsdp1": ("off-policy", "grpo"),
+    "fsdp2": ("grpo", "off-policy"), "deepspeed": ("off-policy", "off-policy"),
+}  # fmt: skip
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 
 
@@ -86,6 +90,10 @@ def reward_run(root: Path, model_dir: Path) -> Path:
     proc = liger_here("train", str(root / "reward-model.yaml"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
+
+
+def loss_of(backend: str, tuning: str) -> str:
+    return BACKEND_LOSS[backend][("lora", "full").index(tuning)]
 
 
 def recipe(assets: dict, out: Path, backend: str = "none", tuning: str = "lora", loss: str = "grpo",
@@ -170,7 +178,7 @@ def launch_part(root: Path) -> tuple[list[dict], dict[str, dict[str, Path]]]:
         if backend == "deepspeed" and not HAS_DEEPSPEED:
             continue
         outs[backend] = {tuning: root / f"{backend}-{tuning}" for tuning in ("lora", "full")}
-        cases += [{"recipe": str(recipe(assets, out, backend, tuning, BACKEND_LOSS[backend], **distributed))}
+        cases += [{"recipe": str(recipe(assets, out, backend, tuning, loss_of(backend, tuning), **distributed))}
                   for tuning, out in outs[backend].items()]  # fmt: skip
         outs[backend]["agent"] = root / f"{backend}-agent"
         cases.append({"recipe": str(agent_recipe(assets, outs[backend]["agent"], backend, **distributed))})
@@ -199,7 +207,7 @@ def test_two_processes_train_the_one_process_grpo_run(backend, one_process, back
         if tuning == "agent":  # multi-turn: the same trajectories (ids, mask, messages) and adapter
             same_trajectories(out, one_process[tuning])
             continue
-        loss = BACKEND_LOSS[backend]
+        loss = loss_of(backend, tuning)
         reference = one_process[tuning if loss == "grpo" else f"{tuning}-{loss}"]
         same_run(out, reference, "adapter_model" if tuning == "lora" else "model")
 
