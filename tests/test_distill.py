@@ -170,8 +170,18 @@ def test_the_memory_plan_counts_the_teacher(setup, tmp_path) -> None:
     proc = liger_here("train", str(recipe), "--dry-run", "--json", "--set", "kernels.check=false")
     assert proc.returncode == 0, proc.stderr[-3000:]
     components = json.loads(proc.stdout)["memory"]["components"]
-    weights = sum(t.numel() for t in load_file(setup["teacher"] / "model.safetensors").values()) * 4
+    tensors = load_file(setup["teacher"] / "model.safetensors")
+    weights = sum(t.numel() for t in tensors.values()) * 4
     assert components["teacher"] == weights + 8 * 48 * 32 * 4
+    # FSDP-2 on 2 processes: half of the decoder layers' bytes, one layer gathered at a time, the rest whole
+    overrides = ["distributed.backend=fsdp2", "distributed.num_processes=2", "training.grad_accum=1"]
+    proc = liger_here("train", str(recipe), "--dry-run", "--json", "--set", "kernels.check=false",
+                      *(x for o in overrides for x in ("--set", o)))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    layer = [sum(t.numel() * 4 for k, t in tensors.items() if f".layers.{i}." in k) for i in (0, 1)]
+    assert json.loads(proc.stdout)["memory"]["components"]["teacher"] == (
+        weights - sum(layer) // 2 + max(layer) + 4 * 48 * 32 * 4
+    )
 
 
 def test_a_4bit_teacher_and_a_qlora_student_train_on_their_4bit_forwards(setup, tmp_path) -> None:

@@ -428,7 +428,7 @@ def test_full_fine_tuning_swaps_the_starting_weights_in_for_the_reference(tiny_m
     start = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     objective = Grpo(rl(beta=0.1, max_new_tokens=8), [], 0, adapter=False)
     stored = lambda m: [p for p in m.parameters() if p.requires_grad]  # noqa: E731 - one process
-    objective.keep_reference(model, stored)
+    objective.keep_reference(model, SimpleNamespace(stored_trainable=stored))
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.01 * torch.randn_like(p))  # "training"
@@ -444,5 +444,5 @@ def test_full_fine_tuning_swaps_the_starting_weights_in_for_the_reference(tiny_m
     for name, value in model.state_dict().items():
         assert torch.equal(value, trained[name]), name
     with_adapter = Grpo(rl(beta=0.1, max_new_tokens=8), [], 0, adapter=True)
-    with_adapter.keep_reference(model, stored)
+    with_adapter.keep_reference(model, SimpleNamespace(stored_trainable=stored))
     assert with_adapter._reference is None  # an adapter's reference is the adapter switched off: no copy

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -182,7 +183,7 @@ def launch_part(root: Path) -> tuple[list[dict], dict[str, dict[str, Path]]]:
                   for tuning, out in outs[backend].items()]  # fmt: skip
         outs[backend]["agent"] = root / f"{backend}-agent"
         cases.append({"recipe": str(agent_recipe(assets, outs[backend]["agent"], backend, **distributed))})
-    outs["distill"] = {}  # on-policy distillation under each backend, the teacher whole on each rank
+    outs["distill"] = {}  # on-policy distillation under each backend (the teacher's layers sharded by FSDP-2)
     for backend, distributed in BACKENDS.items():
         if backend == "deepspeed" and not HAS_DEEPSPEED:
             continue
@@ -271,12 +272,20 @@ def distill_recipe(assets: dict, out: Path, backend: str = "none", **distributed
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_two_processes_distill_as_one_under_each_backend(backend, one_process, backend_runs) -> None:
-    """The same completions, the same loss and KL per step, the same adapter: the teacher whole on each
-    rank, the student sharded by the backend, the divergence divided by the step's completion tokens
-    over both."""
+    """The same completions, the same loss and KL per step, the same adapter: the student sharded by the
+    backend, the teacher's decoder layers too under FSDP-2 (each rank holds its share of them: counted
+    from the DTensors' local shards) and whole on each rank under the others, the divergence divided by
+    the step's completion tokens over both."""
     if backend == "deepspeed" and not HAS_DEEPSPEED:
         pytest.skip("DeepSpeed is not installed (scripts/setup.sh installs it)")
     out, reference = backend_runs["distill"][backend], one_process["distill"]
+    said = (out.parent / f"{out.name}.stdout").read_text()
+    held, whole = (
+        int(n.replace(",", "")) for n in re.search(r"teacher holds ([\d,]+) of its ([\d,]+)", said).groups()
+    )
+    teacher = Path(yaml.safe_load((out.parent / f"{out.name}.yaml").read_text())["distill"]["teacher"])
+    layers = sum(t.numel() for k, t in load_file(teacher / "model.safetensors").items() if ".layers." in k)
+    assert held == (whole - layers // 2 if backend == "fsdp2" else whole), said
     key = lambda r: (r["step"], json.dumps(r["prompt"]), r["completion_ids"])  # noqa: E731 - order within a step
     got, want = sorted(map(key, rollouts(out))), sorted(map(key, rollouts(reference)))
     assert got == want and len(got) == 2 * 8 * 2

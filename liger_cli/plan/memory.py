@@ -204,7 +204,7 @@ def estimate(facts: Facts, s: Settings) -> tuple[dict[str, int], dict[str, str]]
     if s.reference == "copy":  # swapped in for the reference pass: stored (sharded) like the parameters
         parts["reference copy"] = share(facts.trainable_bytes, "parameters")
         notes["reference copy"] = "the starting weights, for the KL term (rl.beta > 0, full fine-tuning)"
-    if s.teacher:  # distill: not sharded, every process holds all of it
+    if s.teacher:  # distill: per process (teacher_bytes: its layers sharded under FSDP-2 only)
         parts["teacher"], notes["teacher"] = s.teacher, "the frozen teacher's weights and final hidden states"
     mode = "every layer checkpointed" if s.checkpointing else "no checkpointing"
     rows = s.micro_batch * s.rows_per_example

@@ -44,7 +44,8 @@ def kv_cache_bytes(recipe: Recipe) -> int:
 
 
 def teacher_bytes(recipe: Recipe, device: str) -> int:
-    """distill: the teacher's weights as it loads them (its dtype, or 4 bits; every process holds all), and
+    """distill: the teacher's weights as it loads them (its dtype, or 4 bits; under FSDP-2 a share of its
+    decoder layers and one layer gathered at a time, else all of it on every process), and
     its final hidden states for the step's micro-batches of completions at data.max_seq_len (held from
     sampling to each one's loss); 0 for the other objectives."""
     if recipe.training.objective != "distill":
@@ -59,8 +60,18 @@ def teacher_bytes(recipe: Recipe, device: str) -> int:
     dtype = teacher_dtype(recipe, torch.device(device))
     meta = meta_model_from_config(recipe.distill.teacher, dtype=dtype)
     four_bit = four_bit_sizes(meta, double=True) if teacher_quantize(recipe) != "none" else {}
-    weights = sum(sum(four_bit[id(p)]) if id(p) in four_bit else p.numel() * dtype.itemsize
-                  for p in meta.parameters())  # fmt: skip
+    nbytes = lambda p: sum(four_bit[id(p)]) if id(p) in four_bit else p.numel() * dtype.itemsize  # noqa: E731
+    weights = sum(nbytes(p) for p in meta.parameters())
+    d = recipe.distributed
+    world = d.num_processes * d.num_machines
+    if d.backend == "fsdp2" and world > 1 and not four_bit:  # its decoder layers sharded (Fsdp2.shard_frozen)
+        from liger_cli.plan.wrap import resolve_wrap_classes
+
+        classes = set(resolve_wrap_classes(meta, None, env={}).classes)
+        layers = [
+            sum(nbytes(p) for p in m.parameters()) for m in meta.modules() if type(m).__name__ in classes
+        ]
+        weights += -sum(layers) + -(-sum(layers) // world) + max(layers, default=0)  # + one gathered layer
     width = meta.config.get_text_config().hidden_size
     t = recipe.training
     rows = t.micro_batch_size * t.grad_accum * recipe.rl.num_generations

@@ -106,7 +106,8 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
     objective.prepare(reference)  # before any weight changes
     if getattr(objective, "online", False):
         # grpo's starting weights, before a resume loads trained ones; distill's teacher
-        objective.keep_reference(trainer.model, backend.stored_trainable)
+        if note := objective.keep_reference(trainer.model, backend):
+            say(note)
     if output.resume_from is not None:
         resume(trainer, output.resume_from)
     last = fit(trainer)

@@ -58,14 +58,19 @@ class Distill:
     def data_step(self, step: int) -> int:
         return step
 
-    def keep_reference(self, model: nn.Module, stored) -> None:
+    def keep_reference(self, model: nn.Module, backend) -> str:
         """Called once on the prepared model before its first step: the teacher is loaded here, on the
-        model's device."""
+        model's device, and sharded as the backend shards a frozen model (`backend.shard_frozen`: FSDP-2
+        its decoder layers; the others keep it whole). Returns the log's line on it."""
         from liger_cli.model.teacher import load_teacher
 
         self.teacher = load_teacher(self.recipe, next(model.parameters()).device)
+        how = backend.shard_frozen(self.teacher)
         head = find_causal_lm(self.teacher).lm_head
         self._head = (head.weight, head.bias)
+        held = sum(_local(p).numel() for p in self.teacher.parameters())
+        whole = sum(p.numel() for p in self.teacher.parameters())
+        return f"distill: the teacher holds {held:,} of its {whole:,} parameters on this process ({how})"
 
     def rollout(self, step: int, examples: list[list[dict]], model, sample, reduce) -> list[dict]:
         """The step's micro-batches: G completions of each prompt sampled by the student, then the
@@ -219,6 +224,11 @@ class Distill:
         batch = collate(features, pad_id)
         batch["completion_mask"] = _shifted(batch["labels"]) != IGNORE_INDEX
         return batch
+
+
+def _local(parameter: torch.Tensor) -> torch.Tensor:
+    """This process's part of a parameter (a sharded DTensor's local shard, else the tensor)."""
+    return parameter.to_local() if hasattr(parameter, "to_local") else parameter
 
 
 def divergence_loss(teacher_hidden: torch.Tensor, weight: torch.Tensor, bias, settings):

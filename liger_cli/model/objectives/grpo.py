@@ -151,12 +151,12 @@ class Grpo:
             micro[int(i)][name] = value
         self._cached, self.step_stats = (meta["data_step"], micro), meta["step_stats"]
 
-    def keep_reference(self, model: nn.Module, stored) -> None:
+    def keep_reference(self, model: nn.Module, backend) -> None:
         """Called once on the prepared model before any weight changes (and before a resume loads
         trained ones): full fine-tuning with beta > 0 keeps a copy of this process's stored trainable
-        weights. `stored(model)` is the backend's way to reach them (`Backend.stored_trainable`)."""
+        weights, reached the backend's way (`backend.stored_trainable(model)`)."""
         if self.rl.beta > 0 and not self.adapter:
-            self._stored = stored
+            self._stored = stored = backend.stored_trainable
             with torch.no_grad():
                 self._reference = [t.detach().clone() for t in stored(model)]
 

@@ -64,6 +64,11 @@ class Backend:
     def accelerator_kwargs(self) -> dict:
         return {}
 
+    def shard_frozen(self, module: nn.Module) -> str:
+        """Shard a frozen model used beside the trained one (distill's teacher) as this backend shards
+        the trained one, where it can; returns how. Default: whole on every process."""
+        return f"whole on each process: liger shards a frozen model under fsdp2 only, not {self.name}"
+
     def keep_on_cpu(self, accelerator, kwargs: dict) -> None:
         """Undo what accelerate does on a CPU to a backend it supports only on GPUs (default: nothing)."""
 
