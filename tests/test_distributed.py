@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import warm_python
 import yaml
 from safetensors.torch import load_file
 from test_kto import write_unpaired
@@ -379,51 +378,6 @@ def test_micro_batch_accumulation_and_processes_train_the_same_model(
         assert ACCUMULATION_AGREES in (out / "plan.txt").read_text()
 
 
-def liger_train(recipe: Path, *args: str, timeout: int = 180) -> subprocess.CompletedProcess:
-    return warm_python.run(["-m", "liger_cli", "train", recipe, *args], timeout=timeout, env=child_env())
-
-
-@pytest.mark.timeout(900)
-def test_liger_train_launches_and_other_launchers_give_the_same_run(
-    assets, references, tmp_path: Path
-) -> None:
-    """`liger train` (2 processes through accelerate), then a resume from its checkpoint through
-    `torchrun -m liger_cli` and through `accelerate launch -m liger_cli`: same backend, same count."""
-    out = tmp_path / "cli"
-    recipe = write_recipe(assets, out, "fsdp1", output__save_every=2)
-    proc = liger_train(recipe, "--set", f"distributed.main_process_port={free_port()}")
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    assert "launching 2 processes" in proc.stderr
-    assert_same_run(out, references["lora"])
-    checkpoint = out / "checkpoints" / "step-2"
-    assert (checkpoint / "trainer_state.json").is_file()
-
-    resume = [f"output.resume={checkpoint}"]
-    launchers = {
-        "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"],
-        "accelerate": [
-            sys.executable,
-            "-m",
-            "accelerate.commands.launch",
-            "--multi_gpu",
-            "--num_processes",
-            "2",
-        ],
-    }
-    for name, launcher in launchers.items():
-        resumed = tmp_path / name
-        port = ["--master_port" if name == "torchrun" else "--main_process_port", str(free_port())]
-        argv = [*launcher, *port, "-m", "liger_cli", "train", str(recipe),
-                "--set", f"output.dir={resumed}", "--set", resume[0]]  # fmt: skip
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=child_env())
-        assert proc.returncode == 0, name + proc.stderr[-5000:]
-        assert f"resumed from {checkpoint} at step 2" in proc.stdout
-        assert losses(resumed) == pytest.approx(losses(out)[2:], abs=1e-5, rel=0), name
-        got, want = (load_file(p / "final" / "adapter_model.safetensors") for p in (resumed, out))
-        for key in want:
-            torch.testing.assert_close(got[key], want[key], atol=1e-6, rtol=1e-5, msg=key)
-
-
 @pytest.mark.timeout(600)
 def test_a_killed_rank_ends_the_job_and_is_named(assets, tmp_path: Path) -> None:
     """Rank 1 killed mid-run: the job ends (within the wait's timeout, not hanging) and says which rank
@@ -518,25 +472,39 @@ def two_machines(recipe: Path, port: int, *overrides: str) -> list[subprocess.Co
 
 
 @pytest.mark.timeout(1200)
-def test_two_machines_train_what_one_launch_trains(assets, references, backend_runs, tmp_path: Path) -> None:
+def test_two_machines_and_each_launcher_give_the_same_run(
+    assets, references, backend_runs, tmp_path: Path
+) -> None:
     """Two "machines" on this one (FSDP-2, one process each): the same losses and adapter as the shared
-    launch's 2-process FSDP-2 run and as 1 process; metrics and checkpoints written once (by global rank
-    0, into the folder both machines see); and resuming its step-2 checkpoint on two machines finishes
-    the same run."""
-    out, resumed = tmp_path / "two-machines", tmp_path / "resumed"
-    for machine in two_machines(write_recipe(assets, out, "fsdp2", output__save_every=2), free_port()):
+    launch's 2-process FSDP-2 run and as 1 process, metrics and checkpoints written once (by global rank
+    0, into the folder both machines see). Their step-2 checkpoint then resumed on one machine through
+    `torchrun -m liger_cli` and through `accelerate launch -m liger_cli`: the same steps 3-4 and adapter
+    (ZeRO-3's resume on two machines: tests/test_deepspeed.py)."""
+    out = tmp_path / "two-machines"
+    recipe = write_recipe(assets, out, "fsdp2", output__save_every=2)
+    for machine in two_machines(recipe, free_port()):
         assert machine.returncode == 0, machine.stdout[-3000:]
     assert_same_run(out, backend_runs["fsdp2"]["outs"]["lora"])
     assert_same_run(out, references["lora"])
     assert "2 on 2 machine(s)" in (out / "plan.txt").read_text()
-    assert len((out / "metrics.jsonl").read_text().splitlines()) == len(
-        (references["lora"] / "metrics.jsonl").read_text().splitlines()
-    )
+    metrics = (out / "metrics.jsonl").read_text().splitlines()
+    assert len(metrics) == len((references["lora"] / "metrics.jsonl").read_text().splitlines())
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2", "step-4"]
-    resume = {"output__resume": str(out / "checkpoints" / "step-2")}
-    for machine in two_machines(write_recipe(assets, resumed, "fsdp2", **resume), free_port()):
-        assert machine.returncode == 0, machine.stdout[-3000:]
-    assert losses(resumed) == pytest.approx(losses(out)[2:], abs=1e-5, rel=0)
-    got, want = (load_file(p / "final" / "adapter_model.safetensors") for p in (resumed, out))
-    for key in want:
-        torch.testing.assert_close(got[key], want[key], atol=1e-6, rtol=0, msg=key)
+
+    checkpoint = out / "checkpoints" / "step-2"
+    launchers = {
+        "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"],
+        "accelerate": [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"],
+    }  # fmt: skip
+    for name, launcher in launchers.items():
+        resumed = tmp_path / name
+        port = ["--master_port" if name == "torchrun" else "--main_process_port", str(free_port())]
+        argv = [*launcher, *port, "-m", "liger_cli", "train", str(recipe),
+                "--set", f"output.dir={resumed}", "--set", f"output.resume={checkpoint}"]  # fmt: skip
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=child_env())
+        assert proc.returncode == 0, name + proc.stderr[-5000:]
+        assert f"resumed from {checkpoint} at step 2" in proc.stdout
+        assert losses(resumed) == pytest.approx(losses(out)[2:], abs=1e-5, rel=0), name
+        got, want = (load_file(p / "final" / "adapter_model.safetensors") for p in (resumed, out))
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], atol=1e-6, rtol=1e-5, msg=key)
