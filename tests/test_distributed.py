@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm_python
 import yaml
 from safetensors.torch import load_file
 from test_kto import write_unpaired
@@ -448,27 +449,33 @@ def test_a_run_with_fewer_processes_than_the_recipe_stops(assets, tmp_path: Path
 def two_machines(recipe: Path, port: int, *overrides: str) -> list[subprocess.CompletedProcess]:
     """`liger launch --nodes 2 --procs 1 --main-ip 127.0.0.1`'s two commands, run at once as two `liger
     train` processes: each is one machine, its own `accelerate launch --num_machines 2 --machine_rank R`.
-    Their output goes to files (a full pipe would stop one machine and the other would wait on it)."""
+    Machine 0 is forked warm (warm_python, from one other thread), machine 1 a plain process writing to a
+    file (a full pipe would stop it, and machine 0 would wait on it)."""
+    import threading
+
     from liger_cli.launch.nodes import Job
 
     job = Job(2, 1, "127.0.0.1", port)
-    logs = [recipe.with_name(f"{recipe.stem}-{port}.machine{r}") for r in (0, 1)]
-    machines = []
+    argv = [["-m", "liger_cli", *job.command(recipe, list(overrides), rank)[1:]] for rank in (0, 1)]
+    first: list = []
+    thread = threading.Thread(
+        target=lambda: first.append(warm_python.run(argv[0], env=child_env(), timeout=500))
+    )
+    log = recipe.with_name(f"{recipe.stem}-{port}.machine1")
+    with open(log, "w") as sink:
+        second = subprocess.Popen(
+            [sys.executable, *argv[1]], env=child_env(), stdout=sink, stderr=subprocess.STDOUT
+        )
     try:
-        for rank, log in enumerate(logs):
-            with open(log, "w") as sink:
-                argv = [sys.executable, "-m", "liger_cli", *job.command(recipe, list(overrides), rank)[1:]]
-                machines.append(
-                    subprocess.Popen(argv, env=child_env(), stdout=sink, stderr=subprocess.STDOUT)
-                )
-        codes = [m.wait(timeout=500) for m in machines]
+        thread.start()
+        code = second.wait(timeout=500)
+        thread.join(timeout=500)
     finally:
-        for m in machines:
-            m.kill()
-    return [
-        subprocess.CompletedProcess(m.args, c, log.read_text(), "")
-        for m, c, log in zip(machines, codes, logs, strict=True)
-    ]
+        second.kill()
+    assert first, "machine 0 did not finish"
+    done = first[0]
+    return [subprocess.CompletedProcess(done.args, done.returncode, done.stdout + done.stderr, ""),
+            subprocess.CompletedProcess(second.args, code, log.read_text(), "")]  # fmt: skip
 
 
 @pytest.mark.timeout(1200)
