@@ -36,7 +36,6 @@ SLOW_FILES: dict[str, int] = {
     "test_distributed.py": 146,
     "test_grpo_train.py": 106,
     "test_generate_cli.py": 97,
-    "test_two_machines.py": 100,
     "test_resume.py": 92,
     "test_memory_plan.py": 88,
     "test_bench.py": 78,

@@ -446,5 +446,75 @@ def test_a_run_with_fewer_processes_than_the_recipe_stops(assets, tmp_path: Path
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
+def two_machines(recipe: Path, port: int, *overrides: str) -> list[subprocess.CompletedProcess]:
+    """`liger launch --nodes 2 --procs 1 --main-ip 127.0.0.1`'s two commands, run at once as two `liger
+    train` processes: each is one machine, its own `accelerate launch --num_machines 2 --machine_rank R`.
+    Machine 0 is forked warm (warm_python, from one other thread), machine 1 a plain process writing to a
+    file (a full pipe would stop it, and machine 0 would wait on it)."""
+    import threading
+
+    from liger_cli.launch.nodes import Job
+
+    job = Job(2, 1, "127.0.0.1", port)
+    argv = [["-m", "liger_cli", *job.command(recipe, list(overrides), rank)[1:]] for rank in (0, 1)]
+    first: list = []
+    thread = threading.Thread(
+        target=lambda: first.append(warm_python.run(argv[0], env=child_env(), timeout=500))
+    )
+    log = recipe.with_name(f"{recipe.stem}-{port}.machine1")
+    with open(log, "w") as sink:
+        second = subprocess.Popen(
+            [sys.executable, *argv[1]], env=child_env(), stdout=sink, stderr=subprocess.STDOUT
+        )
+    try:
+        thread.start()
+        code = second.wait(timeout=500)
+        thread.join(timeout=500)
+    finally:
+        second.kill()
+    assert first, "machine 0 did not finish"
+    done = first[0]
+    return [subprocess.CompletedProcess(done.args, done.returncode, done.stdout + done.stderr, ""),
+            subprocess.CompletedProcess(second.args, code, log.read_text(), "")]  # fmt: skip
+
+
+@pytest.mark.timeout(1200)
+def test_two_machines_and_each_launcher_give_the_same_run(
+    assets, references, backend_runs, tmp_path: Path
+) -> None:
+    """Two "machines" on this one (FSDP-2, one process each): the same losses and adapter as the shared
+    launch's 2-process FSDP-2 run and as 1 process, metrics and checkpoints written once (by global rank
+    0, into the folder both machines see). Their step-2 checkpoint then resumed on one machine through
+    `torchrun -m liger_cli` and through `accelerate launch -m liger_cli`: the same steps 3-4 and adapter."""
+    out = tmp_path / "two-machines"
+    recipe = write_recipe(assets, out, "fsdp2", output__save_every=2)
+    for machine in two_machines(recipe, free_port()):
+        assert machine.returncode == 0, machine.stdout[-3000:]
+    assert_same_run(out, backend_runs["fsdp2"]["outs"]["lora"])
+    assert_same_run(out, references["lora"])
+    assert "2 on 2 machine(s)" in (out / "plan.txt").read_text()
+    metrics = (out / "metrics.jsonl").read_text().splitlines()
+    assert len(metrics) == len((references["lora"] / "metrics.jsonl").read_text().splitlines())
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-2", "step-4"]
+
+    checkpoint = out / "checkpoints" / "step-2"
+    launchers = {
+        "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"],
+        "accelerate": [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"],
+    }  # fmt: skip
+    for name, launcher in launchers.items():
+        resumed = tmp_path / name
+        port = ["--master_port" if name == "torchrun" else "--main_process_port", str(free_port())]
+        argv = [*launcher, *port, "-m", "liger_cli", "train", str(recipe),
+                "--set", f"output.dir={resumed}", "--set", f"output.resume={checkpoint}"]  # fmt: skip
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=child_env())
+        assert proc.returncode == 0, name + proc.stderr[-5000:]
+        assert f"resumed from {checkpoint} at step 2" in proc.stdout
+        assert losses(resumed) == pytest.approx(losses(out)[2:], abs=1e-5, rel=0), name
+        got, want = (load_file(p / "final" / "adapter_model.safetensors") for p in (resumed, out))
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], atol=1e-6, rtol=1e-5, msg=key)
+
+
 def liger_train(recipe: Path, *args: str, timeout: int = 180) -> subprocess.CompletedProcess:
     return warm_python.run(["-m", "liger_cli", "train", recipe, *args], timeout=timeout, env=child_env())
