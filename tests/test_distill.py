@@ -173,15 +173,19 @@ def test_the_memory_plan_counts_the_teacher(setup, tmp_path) -> None:
     tensors = load_file(setup["teacher"] / "model.safetensors")
     weights = sum(t.numel() for t in tensors.values()) * 4
     assert components["teacher"] == weights + 8 * 48 * 32 * 4
-    # FSDP-2 on 2 processes: half of the decoder layers' bytes, one layer gathered at a time, the rest whole
-    overrides = ["distributed.backend=fsdp2", "distributed.num_processes=2", "training.grad_accum=1"]
-    proc = liger_here("train", str(recipe), "--dry-run", "--json", "--set", "kernels.check=false",
-                      *(x for o in overrides for x in ("--set", o)))  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # 2 processes: half of the decoder layers' bytes, one layer gathered at a time, the rest whole, where
+    # the trained model is sharded (FSDP-1, FSDP-2, ZeRO-3); all of it under DDP and ZeRO-2
     layer = [sum(t.numel() * 4 for k, t in tensors.items() if f".layers.{i}." in k) for i in (0, 1)]
-    assert json.loads(proc.stdout)["memory"]["components"]["teacher"] == (
-        weights - sum(layer) // 2 + max(layer) + 4 * 48 * 32 * 4
-    )
+    sharded = weights - sum(layer) // 2 + max(layer) + 4 * 48 * 32 * 4
+    for backend, teacher in [("fsdp2", sharded), ("fsdp1", sharded), ("deepspeed", sharded),
+                             ("ddp", weights + 4 * 48 * 32 * 4), ("deepspeed:2", weights + 4 * 48 * 32 * 4)]:  # fmt: skip
+        name, _, stage = backend.partition(":")
+        overrides = [f"distributed.backend={name}", "distributed.num_processes=2", "training.grad_accum=1",
+                     f"distributed.zero_stage={stage or 3}"]  # fmt: skip
+        proc = liger_here("train", str(recipe), "--dry-run", "--json", "--set", "kernels.check=false",
+                          *(x for o in overrides for x in ("--set", o)))  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert json.loads(proc.stdout)["memory"]["components"]["teacher"] == teacher, backend
 
 
 def test_a_4bit_teacher_and_a_qlora_student_train_on_their_4bit_forwards(setup, tmp_path) -> None:

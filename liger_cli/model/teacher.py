@@ -68,9 +68,8 @@ def check_teacher(recipe) -> str:
 
         require_bitsandbytes(four_bit, _quantize_key(recipe))
     how = "" if four_bit == "none" else f", {four_bit} 4-bit linear layers"
-    d = recipe.distributed
-    if d.backend == "fsdp2" and d.num_processes * d.num_machines > 1 and four_bit == "none":
-        how += ", its decoder layers sharded by FSDP-2"
+    if recipe.distributed.frozen_model_kept_whole() is None and four_bit == "none":
+        how += ", its decoder layers sharded over the processes"
     return (
         f"distill: teacher {path} ({count:,} parameters{how}, frozen, no gradient), its tokenizer the student's "
         f"({len(ours)} ids); {recipe.distill.loss} at temperature {recipe.distill.temperature:g} on every "

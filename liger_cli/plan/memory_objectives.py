@@ -64,7 +64,9 @@ def teacher_bytes(recipe: Recipe, device: str) -> int:
     weights = sum(nbytes(p) for p in meta.parameters())
     d = recipe.distributed
     world = d.num_processes * d.num_machines
-    if d.backend == "fsdp2" and world > 1 and not four_bit:  # its decoder layers sharded (Fsdp2.shard_frozen)
+    if (
+        d.frozen_model_kept_whole() is None and not four_bit
+    ):  # its decoder layers sharded (Backend.shard_frozen)
         from liger_cli.plan.wrap import resolve_wrap_classes
 
         classes = set(resolve_wrap_classes(meta, None, env={}).classes)

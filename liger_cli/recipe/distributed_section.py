@@ -58,6 +58,7 @@ class DistributedSection(_Section):
     fsdp: FsdpSection = Field(default_factory=FsdpSection)
     zero_stage: Literal[2, 3] = 3
     """DeepSpeed's ZeRO stage (backend deepspeed)."""
+
     activation_checkpointing: Literal["off", "auto", "reentrant", "non_reentrant"] = "off"
     """Recompute activations in backward; auto picks reentrant under FSDP/DeepSpeed, non-reentrant otherwise."""
 
@@ -67,10 +68,30 @@ class DistributedSection(_Section):
         """YAML reads an unquoted `off` (in a recipe or a --set) as false: it means "off"."""
         return "off" if value is False else value
 
+    sequence_parallel: int = Field(1, ge=1)
+    """Split every sequence of a micro-batch across this many processes (fsdp2 or ZeRO-3; SFT):
+    each holds 1/N of its tokens' activations; attention exchanges heads for tokens (all-to-all)."""
+
     @property
     def shards_weights(self) -> bool:
         """The backend shards every weight, frozen ones included: FSDP-1, FSDP-2 and ZeRO-3."""
         return self.backend in ("fsdp1", "fsdp2") or (self.backend == "deepspeed" and self.zero_stage == 3)
+
+    def frozen_model_kept_whole(self) -> str | None:
+        """Why a frozen model used beside the trained one (distill's teacher) stays whole on each
+        process, or None: its decoder layers are then sharded over every process, as the trained model's
+        parameters are under FSDP-1 (full or shard_grad_op), FSDP-2 and ZeRO-3 (torch's fully_shard on
+        each layer whatever the backend: a frozen model needs no optimizer, only a gather before each
+        layer's forward)."""
+        if self.num_processes * self.num_machines == 1:
+            return "one process"
+        if self.backend in ("none", "ddp"):
+            return f"{self.backend} keeps every model whole"
+        if self.backend == "deepspeed" and self.zero_stage != 3:
+            return f"ZeRO-{self.zero_stage} keeps the parameters whole"
+        if self.backend == "fsdp1" and self.fsdp.sharding in ("hybrid", "no_shard"):
+            return f"fsdp.sharding {self.fsdp.sharding} does not shard over every process"
+        return None
 
     @property
     def flattens_units(self) -> bool:
@@ -88,8 +109,25 @@ class DistributedSection(_Section):
             raise ValueError(
                 f"distributed.machine_rank {self.machine_rank} must be below num_machines {self.num_machines}"
             )
+        if self.sequence_parallel > 1:
+            self._sequence_parallel_needs()
         if self.num_machines > 1 and not self.main_process_ip:
             raise ValueError(
                 "distributed.num_machines > 1 needs distributed.main_process_ip (the rank-0 machine)"
             )
         return self
+
+    def _sequence_parallel_needs(self) -> None:
+        n, world = self.sequence_parallel, self.num_processes * self.num_machines
+        if self.backend not in ("fsdp2", "deepspeed") or (self.backend == "deepspeed" and self.zero_stage != 3):
+            name = "deepspeed ZeRO-2" if self.backend == "deepspeed" else self.backend
+            raise ValueError(
+                f"distributed.sequence_parallel {n} needs backend fsdp2 or deepspeed with zero_stage 3 "
+                f"(their sharded weights are what a split sequence still needs whole on each process), not "
+                f"{name}: set distributed.backend: fsdp2"
+            )
+        if world % n:
+            raise ValueError(
+                f"distributed.sequence_parallel {n} must divide the {world} processes (the rest is data "
+                f"parallel): use a divisor of {world}, or more processes"
+            )

@@ -304,12 +304,30 @@ class Recipe(_Section):
                 "state dict misses the base's weights): use distributed.backend ddp, which shards nothing "
                 "either, or sharding full"
             )
+        if d.sequence_parallel > 1:
+            self._sequence_parallel_needs()
         if self.data.streaming and self.training.max_steps is None:
             raise ValueError(
                 "data.streaming needs training.max_steps (a stream has no known length, so no epochs): "
                 "set training.max_steps and remove training.epochs"
             )
         return self
+
+    def _sequence_parallel_needs(self) -> None:
+        """What the split serves so far (docs/distributed.md#long-sequences): SFT's training pass, with
+        attention that takes a mask over the whole sequence (eager or sdpa)."""
+        n, objective = self.distributed.sequence_parallel, self.training.objective
+        attention = self.model.attn_implementation
+        if objective != "sft":
+            raise ValueError(
+                f"distributed.sequence_parallel {n} splits SFT's training pass; training.objective {objective} is "
+                "not split yet: remove distributed.sequence_parallel (or set it to 1)"
+            )
+        if attention not in (None, "eager", "sdpa"):
+            raise ValueError(
+                f"distributed.sequence_parallel {n} cannot serve model.attn_implementation {attention} (the "
+                "split attends over the whole sequence with a mask it builds): set it to sdpa or eager"
+            )
 
     def _samples_need(self) -> None:
         """Samples complete eval prompts: an eval set whose rows have a prompt before the answer."""

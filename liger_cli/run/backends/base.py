@@ -65,9 +65,30 @@ class Backend:
         return {}
 
     def shard_frozen(self, module: nn.Module) -> str:
-        """Shard a frozen model used beside the trained one (distill's teacher) as this backend shards
-        the trained one, where it can; returns how. Default: whole on every process."""
-        return f"whole on each process: liger shards a frozen model under fsdp2 only, not {self.name}"
+        """Shard a frozen model used beside the trained one (distill's teacher) where the trained one is
+        sharded (`frozen_model_kept_whole`): each of its decoder layers (its own wrap classes) a
+        fully_shard unit over every process, whatever the backend, so that a forward gathers one layer
+        at a time and frees it after. Its embeddings, final norm and lm_head stay whole on each process
+        (the fused divergence reads the head as a plain tensor), and so does a 4-bit model (uint8
+        storage). Returns how, for the log."""
+        from liger_cli.model.quantize import four_bit_layers
+
+        if why := self.recipe.distributed.frozen_model_kept_whole():
+            return f"whole on each process: {why}"
+        if four_bit_layers(module):
+            return "whole on each process: its 4-bit layers are not sharded"
+        if not self.active:
+            return f"whole on each process: {self.name} is not running"
+        from torch.distributed.fsdp import fully_shard
+
+        from liger_cli.plan.wrap import resolve_wrap_classes
+
+        classes = set(resolve_wrap_classes(module, None, env={}).classes)
+        layers = [m for m in module.modules() if type(m).__name__ in classes]
+        for layer in layers:
+            fully_shard(layer, reshard_after_forward=True)
+        names = ", ".join(sorted(classes))
+        return f"its {len(layers)} {names} sharded over {self.plan.num_processes} processes by FSDP-2"
 
     def keep_on_cpu(self, accelerator, kwargs: dict) -> None:
         """Undo what accelerate does on a CPU to a backend it supports only on GPUs (default: nothing)."""

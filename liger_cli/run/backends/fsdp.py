@@ -183,25 +183,6 @@ class Fsdp2(_Fsdp):
         process_state.register_fsdp2_classes(model)  # a vision tower unit still returns its hidden states
         return model, optimizer
 
-    def shard_frozen(self, module: nn.Module) -> str:
-        """Each of its decoder layers (its own wrap classes) a fully_shard unit over every process: a
-        forward gathers one layer at a time and frees it after. The embeddings, final norm and lm_head
-        stay whole on each process (the fused divergence reads the head as a plain tensor)."""
-        from liger_cli.model.quantize import four_bit_layers
-
-        if not self.active or four_bit_layers(module):  # 4 bits in uint8 storage: kept whole
-            return super().shard_frozen(module)
-        from torch.distributed.fsdp import fully_shard
-
-        from liger_cli.plan.wrap import resolve_wrap_classes
-
-        classes = set(resolve_wrap_classes(module, None, env={}).classes)
-        layers = [m for m in module.modules() if type(m).__name__ in classes]
-        for layer in layers:
-            fully_shard(layer, reshard_after_forward=True)
-        names = ", ".join(sorted(classes))
-        return f"its {len(layers)} {names} sharded over {self.plan.num_processes} processes by FSDP-2"
-
     def shard_sizes(self, model: nn.Module, name: str, unit: nn.Module) -> tuple[int, int]:
         from torch.distributed.fsdp import FSDPModule
         from torch.distributed.tensor import DTensor
