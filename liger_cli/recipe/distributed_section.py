@@ -119,7 +119,9 @@ class DistributedSection(_Section):
 
     def _sequence_parallel_needs(self) -> None:
         n, world = self.sequence_parallel, self.num_processes * self.num_machines
-        if self.backend not in ("fsdp2", "deepspeed") or (self.backend == "deepspeed" and self.zero_stage != 3):
+        if self.backend not in ("fsdp2", "deepspeed") or (
+            self.backend == "deepspeed" and self.zero_stage != 3
+        ):
             name = "deepspeed ZeRO-2" if self.backend == "deepspeed" else self.backend
             raise ValueError(
                 f"distributed.sequence_parallel {n} needs backend fsdp2 or deepspeed with zero_stage 3 "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from liger_cli.data.batches import even_shares, with_filler
@@ -10,26 +12,39 @@ from liger_cli.model.objectives import Objective
 
 @torch.no_grad()
 def evaluate(
-    model, dataset, accelerator, objective: Objective, micro_batch_size: int, pad_id: int, filler=None
+    model,
+    dataset,
+    accelerator,
+    objective: Objective,
+    micro_batch_size: int,
+    pad_id: int,
+    filler=None,
+    split=None,
 ) -> dict:
     """`eval_loss` and `eval_<metric>`: sums over the whole eval set divided by its units (each rank
-    takes every world-th batch). `filler`: the run's image row for text-only batches (`Data.filler`)."""
+    takes every world-th batch). `filler`: the run's image row for text-only batches (`Data.filler`);
+    `split`: the run's sequence parallelism (each group takes every (world / N)-th batch and splits it)."""
     model.eval()
     device = accelerator.device
     names: list[str] = []
     sums: torch.Tensor | None = None  # loss, then each metric, then the unit count (float64)
-    shares = even_shares(len(dataset), micro_batch_size, accelerator.num_processes, accelerator.process_index)
+    n = split.degree if split else 1
+    shares = even_shares(
+        len(dataset), micro_batch_size, accelerator.num_processes // n, accelerator.process_index // n
+    )
 
     def batches():  # collated as they are used, never all at once
         for rows, _ in shares:
-            yield objective.collate(with_filler([dataset[k] for k in rows], filler), pad_id)
+            batch = objective.collate(with_filler([dataset[k] for k in rows], filler), pad_id)
+            yield split.shard(batch) if split else batch
 
     if hasattr(objective, "begin_step"):  # kto: z0 of the whole eval set, as a step's is of the step
         reduce = lambda t: accelerator.reduce(t, "sum")  # noqa: E731
         objective.begin_step(model, batches(), device, reduce, [real for _, real in shares])
     for (_, real), batch in zip(shares, batches(), strict=True):  # every rank runs the same forwards (FSDP)
-        batch = {k: v.to(device) for k, v in batch.items()}
-        loss, stats = objective.loss(model, batch, torch.ones((), device=device))  # sums over its units
+        with split.attending(batch) if split else contextlib.nullcontext():
+            batch = {k: v.to(device) for k, v in batch.items()}
+            loss, stats = objective.loss(model, batch, torch.ones((), device=device))  # sums over its units
         names = list(stats)
         values = torch.stack(
             [loss.double(), *(v.double() for v in stats.values()), objective.units(batch).double()]

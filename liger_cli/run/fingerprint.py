@@ -37,6 +37,8 @@ def fingerprint(recipe: Recipe, num_processes: int, backend: str) -> dict:
         "processes": num_processes,
         "distributed.backend": backend,
     }
+    if recipe.distributed.sequence_parallel > 1:  # the data is sharded over the groups, not the processes
+        found["distributed.sequence_parallel"] = recipe.distributed.sequence_parallel
     return json.loads(json.dumps(found))  # exactly what a JSON round trip gives back
 
 

@@ -51,18 +51,25 @@ def load_data(recipe: Recipe, accelerator) -> Data:
     train_ds, eval_ds = build_once(
         accelerator, recipe.data, lambda: build_datasets(recipe.data, tokenizer, t.seed, tools)
     )
-    world = accelerator.num_processes
-    batches = StepBatches(len(train_ds), t.micro_batch_size, world, accelerator.process_index, t.seed)
+    world, rank = data_shares(recipe, accelerator)
+    batches = StepBatches(len(train_ds), t.micro_batch_size, world, rank, t.seed)
     if batches.micro_per_epoch == 0:
         raise UserError(
             f"data.train has {len(train_ds)} usable examples, fewer than one global micro-batch "
-            f"({t.micro_batch_size} x {world} processes): lower training.micro_batch_size"
+            f"({t.micro_batch_size} x {world} data-parallel processes): lower training.micro_batch_size"
         )
     steps = total_steps(t, batches)
     if recipe.rl is not None and not t.max_steps:  # epochs of prompts: each batch serves num_iterations steps
         steps *= recipe.rl.num_iterations
-    filler = (image_filler(train_ds) or image_filler(eval_ds)) if world > 1 else None
+    filler = (image_filler(train_ds) or image_filler(eval_ds)) if accelerator.num_processes > 1 else None
     return Data(tokenizer, train_ds, eval_ds, batches, steps, filler)
+
+
+def data_shares(recipe: Recipe, accelerator) -> tuple[int, int]:
+    """(how many micro-batches a step's global batch is cut into per accumulation step, which one this
+    process takes): one per process, or one per sequence-parallel group, whose processes share it."""
+    n = recipe.distributed.sequence_parallel
+    return accelerator.num_processes // n, accelerator.process_index // n
 
 
 def load_stream(recipe: Recipe, accelerator, tokenizer) -> Data:
@@ -77,7 +84,7 @@ def load_stream(recipe: Recipe, accelerator, tokenizer) -> Data:
         return encoded_stream(source.path, fmt, d, tokenizer, position)
 
     next(iter(open_stream(StreamBatches.START)), None)
-    world, rank = accelerator.num_processes, accelerator.process_index
+    world, rank = data_shares(recipe, accelerator)
     return Data(
         tokenizer, None, eval_ds, StreamBatches(open_stream, t.micro_batch_size, world, rank), t.max_steps
     )

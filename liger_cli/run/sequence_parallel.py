@@ -48,6 +48,7 @@ class SequenceParallel:
     core: str = "sdpa"
     """The attention implementation each process runs over the whole sequence (the model's own)."""
     _active: Shard | None = None
+    _config: object = None  # the model's config, whose attention implementation a split forward switches
 
     @classmethod
     def start(cls, degree: int) -> SequenceParallel:
@@ -77,6 +78,7 @@ class SequenceParallel:
                 "model.attn_implementation to sdpa or eager"
             )
         AttentionInterface.register(ATTENTION, self._attention)
+        self._config = config
         return (
             f"sequence parallel: each sequence split over {self.degree} processes ({config.num_attention_heads} "
             f"heads, {self.core} over the whole sequence with {config.num_attention_heads // self.degree} "
@@ -84,15 +86,14 @@ class SequenceParallel:
         )
 
     @contextlib.contextmanager
-    def attending(self, model, shard: Shard):
+    def attending(self, shard: Shard):
         """The split attention for the forwards (and recomputations in backward) inside the block."""
-        config = model.config.get_text_config()
-        self._active, before = shard, config._attn_implementation
-        config._attn_implementation = ATTENTION
+        self._active, before = shard, self._config._attn_implementation
+        self._config._attn_implementation = ATTENTION
         try:
             yield
         finally:
-            config._attn_implementation, self._active = before, None
+            self._config._attn_implementation, self._active = before, None
 
     def _attention(self, module, query, key, value, attention_mask, **kwargs):
         """[B, H, S/N, D] shards of q, k, v -> attention over the whole sequence on H/N heads ->
@@ -159,7 +160,9 @@ class SequenceParallel:
         return shard
 
 
-def whole_mask(positions: torch.Tensor, keys: torch.Tensor, plain_causal_is_none: bool) -> torch.Tensor | None:
+def whole_mask(
+    positions: torch.Tensor, keys: torch.Tensor, plain_causal_is_none: bool
+) -> torch.Tensor | None:
     """[B, 1, S, S] boolean: query i sees key j when j <= i, both in the same packed document (a new one
     starts where position_ids restart at 0) and j is not padding. None when that is plain causal and
     `plain_causal_is_none` (sdpa is then causal by itself; eager needs every mask)."""
@@ -187,7 +190,10 @@ def _unsplittable(config, text, degree: int) -> str | None:
     """Why this model's attention cannot be split over `degree` processes, or None."""
     if config is not text:
         return "a vision-language model is not split (its image tokens attend as the family decides)"
-    heads, kv = text.num_attention_heads, getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    heads, kv = (
+        text.num_attention_heads,
+        getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+    )
     if heads % degree or kv % degree:
         return f"its {heads} attention heads and {kv} key-value heads must both be divisible by {degree}"
     window = getattr(text, "sliding_window", None)

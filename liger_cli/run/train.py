@@ -15,6 +15,7 @@ batches, all ranks): each micro-batch's loss is a sum divided by the step's glob
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pickle
 import sys
@@ -41,6 +42,7 @@ from liger_cli.run.inputs import Data, load_data
 from liger_cli.run.metrics import MemoryWatch, MetricsLog, peak_memory_mb
 from liger_cli.run.output_dir import OutputDecision, claim_output
 from liger_cli.run.reference import precompute_for
+from liger_cli.run.sequence_parallel import SequenceParallel
 
 FINAL_METRICS = "final_metrics.json"
 
@@ -66,6 +68,8 @@ class Trainer:
     memory: MemoryWatch
     """Started before the model is built: the peak a step adds, as the memory plan estimates it."""
     objective: Objective
+    split: SequenceParallel | None = None
+    """distributed.sequence_parallel: each micro-batch's sequences split over a group of processes."""
 
 
 def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
@@ -79,6 +83,11 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
     backend = backend_for(recipe, plan)
     accelerator = backend.make_accelerator()
     say = echo if accelerator.is_main_process else (lambda *_: None)
+    split = (
+        SequenceParallel.start(recipe.distributed.sequence_parallel)
+        if recipe.distributed.sequence_parallel > 1
+        else None
+    )
     output = check_output(recipe)
     data = load_data(recipe, accelerator)
     run_fingerprint = fingerprint(recipe, accelerator.num_processes, plan.backend)
@@ -95,10 +104,14 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
         objective.check_data(data.eval, "eval")
     memory = MemoryWatch(accelerator.device)
     model, kernel_report = build_model(recipe, plan)
+    split_note = split.install(model) if split else None  # a model the split cannot serve: refused here
     claim_output(output, accelerator.is_main_process, accelerator.wait_for_everyone)
     record_plan(recipe, plan, Applied(kernels_patched=kernel_report), accelerator.is_main_process, say)
     describe(model, data, say)
+    if split_note:
+        say(split_note)
     trainer = prepare(recipe, backend, model, data, say, run_fingerprint, memory, objective)
+    trainer.split = split
     collate, unit = objective.collate, getattr(objective, "unit", "pair")  # unit: what the log calls them
     reference = precompute_for(
         recipe, backend, trainer.model, data, collate, run_fingerprint, say, output.resume_from, unit
@@ -237,6 +250,11 @@ def finish(trainer: Trainer, last: dict[str, float]) -> None:
 # --- the loop ---------------------------------------------------------------------------------------------
 
 
+def attending(split: SequenceParallel | None, batch):
+    """The split attention through a micro-batch's forward and backward (recomputations included)."""
+    return split.attending(batch) if split else contextlib.nullcontext()
+
+
 def fit(trainer: Trainer) -> dict[str, float]:
     """Optimizer steps until the end, with logging, evaluation and checkpoints; the last metrics."""
     recipe, backend, model, data = trainer.recipe, trainer.backend, trainer.model, trainer.data
@@ -263,7 +281,14 @@ def fit(trainer: Trainer) -> dict[str, float]:
             found = own(model, sampler, data.eval) if own else evaluate_rewards(objective, sampler, data.eval)
         else:
             found = evaluate(
-                model, data.eval, accelerator, objective, t.micro_batch_size, pad_id, data.filler
+                model,
+                data.eval,
+                accelerator,
+                objective,
+                t.micro_batch_size,
+                pad_id,
+                data.filler,
+                trainer.split,
             )
         if samples is not None:
             found |= samples.write(backend, model, at, echo)
@@ -289,13 +314,15 @@ def fit(trainer: Trainer) -> dict[str, float]:
             micro = [
                 objective.collate(data.examples(step * t.grad_accum + a), pad_id) for a in range(t.grad_accum)
             ]
+            if trainer.split:  # this process's positions of each (units and loss count its tokens only)
+                micro = [trainer.split.shard(b) for b in micro]
         num_items = accelerator.reduce(sum(objective.units(b) for b in micro).to(device), "sum").clamp(min=1)
         if hasattr(objective, "begin_step"):  # kto: what the step's whole global batch decides (z0)
             objective.begin_step(model, micro, device, lambda t: accelerator.reduce(t, "sum"))
         step_sums = None  # the step's loss, then each of the objective's metrics (means over its units)
         for a, batch in enumerate(micro):
             last_micro = a == len(micro) - 1
-            with backend.micro_batch(model, last_micro) as backward:
+            with backend.micro_batch(model, last_micro) as backward, attending(trainer.split, batch):
                 loss, stats = objective.loss(model, {k: v.to(device) for k, v in batch.items()}, num_items)
                 sums = torch.stack([loss.detach(), *(v.detach() for v in stats.values())])
                 step_sums = sums if step_sums is None else step_sums + sums

@@ -18,7 +18,10 @@ from liger_cli.data.encode import IGNORE_INDEX, collate
 
 
 def label_units(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Label tokens of a batch: position t predicts label t + 1, so the first label is never a target."""
+    """Label tokens of a batch: position t predicts label t + 1, so the first label is never a target
+    (a sequence-parallel shard carries its targets already shifted, `shift_labels`)."""
+    if "shift_labels" in batch:
+        return (batch["shift_labels"] != IGNORE_INDEX).sum()
     return (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
 
 
