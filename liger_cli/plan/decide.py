@@ -167,6 +167,14 @@ def build_plan(recipe: Recipe, model: nn.Module | None = None, env: Mapping[str,
         notes.append("on a CPU the kernels run their PyTorch paths (Triton needs a GPU)")
     if recipe.rl is not None and recipe.rl.agentic:
         notes.append(_rollout_note(recipe))
+    if dist.sequence_parallel > 1:  # the model's attention must be one the split serves
+        from liger_cli.plan.sequence_parallel import split_note, unsplittable
+
+        if why := unsplittable(config, dist.sequence_parallel):
+            raise UserError(
+                f"distributed.sequence_parallel {dist.sequence_parallel}: {why}; remove distributed.sequence_parallel"
+            )
+        notes.append(split_note(config, dist.sequence_parallel, world))
     if t.objective == "distill":  # the teacher's tokenizer and forward, checked before any weight loads
         from liger_cli.model.teacher import check_teacher
 
@@ -183,7 +191,7 @@ def build_plan(recipe: Recipe, model: nn.Module | None = None, env: Mapping[str,
         kernels_off=kernels_off,
         activation_checkpointing=ac_mode,
         activation_checkpointing_reason=ac_reason,
-        global_batch=t.micro_batch_size * t.grad_accum * world,
+        global_batch=t.micro_batch_size * t.grad_accum * world // recipe.distributed.sequence_parallel,
         completions_per_example=recipe.rl.num_generations if recipe.rl else 0,
         length=f"{t.max_steps} optimizer steps" if t.max_steps else f"{t.epochs or 1:g} epoch(s)",
         wrap_classes=wrap_classes,

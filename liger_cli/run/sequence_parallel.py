@@ -27,10 +27,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from liger_cli.data.encode import IGNORE_INDEX
+from liger_cli.data.encode import IGNORE_INDEX, collate, pack_examples
 from liger_cli.errors import UserError
 
 ATTENTION = "liger_sequence_parallel"  # the attention implementation a split forward runs under
+_ACTIVE: list = []  # the split whose forward is running (`attending`)
 
 
 class Shard(dict):
@@ -47,7 +48,7 @@ class SequenceParallel:
     group: object
     core: str = "sdpa"
     """The attention implementation each process runs over the whole sequence (the model's own)."""
-    _active: Shard | None = None
+    _shard: Shard | None = None
     _config: object = None  # the model's config, whose attention implementation a split forward switches
 
     @classmethod
@@ -59,43 +60,79 @@ class SequenceParallel:
 
     # --- the model ---------------------------------------------------------------------------------------
 
-    def install(self, model) -> str:
-        """Register the split attention and check that the model's attention can be split: every layer
-        full causal attention (no sliding window shorter than a sequence), a text model, heads and
-        key-value heads divisible by N, no attention dropout. Returns the log's line."""
+    def install(self, model) -> None:
+        """Register the split attention (the Plan checked the model: `plan.sequence_parallel`) and take
+        the model's own implementation to run over the whole sequence."""
         from transformers import AttentionInterface
 
         config = model.config.get_text_config()
-        why = _unsplittable(model.config, config, self.degree)
-        if why:
-            raise UserError(
-                f"distributed.sequence_parallel {self.degree}: {why}; remove distributed.sequence_parallel"
-            )
         self.core = config._attn_implementation or "eager"
         if self.core not in ("eager", "sdpa"):
             raise UserError(
                 f"distributed.sequence_parallel {self.degree} cannot serve attention {self.core}: set "
                 "model.attn_implementation to sdpa or eager"
             )
-        AttentionInterface.register(ATTENTION, self._attention)
+        AttentionInterface.register(ATTENTION, _split_attention)
         self._config = config
+
+    def check_on_twin(self, recipe, kernels: dict[str, bool]) -> str:
+        """Before the first step, on a tiny twin of the run's model (its class and code, the kernels
+        the run patched, the same seeded weights on every process of the group): a packed micro-batch and
+        a padded one give, split over the group, the loss and every gradient they give whole on each
+        process. A split that changes the math stops the run here. Returns the log's line."""
+        from liger_cli.model.build import read_config
+        from liger_cli.plan.sequence_parallel import unsplittable
+        from liger_cli.twin.kernel_check import disagreement
+        from liger_cli.twin.pipeline_check import (
+            ACCUMULATION_EXAMPLES,
+            PACKED_LENGTH,
+            PACKING_EXAMPLES,
+            prepared_twin,
+            twin_examples,
+        )
+        from liger_cli.twin.tiny import TinyModelError, twin_builder, twin_session, twin_vocab
+
+        m = recipe.model
+        with twin_session():
+            try:
+                twin = twin_builder(read_config(m.path or m.config, m.trust_remote_code), m.trust_remote_code,
+                                    None, self.core)()  # fmt: skip
+            except TinyModelError as err:
+                return f"sequence parallel check: not run (no tiny twin: {err})"
+            twin = prepared_twin(twin, kernels)
+            if why := unsplittable(twin.config, self.degree):
+                return f"sequence parallel check: not run (the tiny twin: {why})"
+            twin_split = SequenceParallel(self.degree, self.index, self.group, self.core)
+            twin_split.install(twin)
+            vocab, pad = twin_vocab(twin)
+            packed = pack_examples(twin_examples(PACKING_EXAMPLES, vocab), PACKED_LENGTH)
+            for name, rows in (("packed", packed), ("padded", twin_examples(ACCUMULATION_EXAMPLES, vocab))):
+                batch = collate(rows, pad)
+                whole, split = _step(twin, batch, None), _step(twin, twin_split.shard(batch), twin_split)
+                if why := disagreement(split, whole):
+                    raise UserError(
+                        f"distributed.sequence_parallel {self.degree}: on a tiny twin of the model, a {name} "
+                        f"micro-batch split over {self.degree} processes and whole disagree ({why}): the "
+                        "split would change what it learns; remove distributed.sequence_parallel"
+                    )
         return (
-            f"sequence parallel: each sequence split over {self.degree} processes ({config.num_attention_heads} "
-            f"heads, {self.core} over the whole sequence with {config.num_attention_heads // self.degree} "
-            "heads each)"
+            f"sequence parallel check: a packed and a padded micro-batch split over {self.degree} processes "
+            "vs whole on a tiny twin: the loss and every gradient agree"
         )
 
     @contextlib.contextmanager
     def attending(self, shard: Shard):
         """The split attention for the forwards (and recomputations in backward) inside the block."""
-        self._active, before = shard, self._config._attn_implementation
+        self._shard, before = shard, self._config._attn_implementation
         self._config._attn_implementation = ATTENTION
+        _ACTIVE.append(self)
         try:
             yield
         finally:
-            self._config._attn_implementation, self._active = before, None
+            _ACTIVE.pop()
+            self._config._attn_implementation, self._shard = before, None
 
-    def _attention(self, module, query, key, value, attention_mask, **kwargs):
+    def attention(self, module, query, key, value, attention_mask, **kwargs):
         """[B, H, S/N, D] shards of q, k, v -> attention over the whole sequence on H/N heads ->
         [B, S/N, H, D], as transformers' attention functions return it."""
         if self.core == "eager":  # the family's own (softcapping, sinks, ...), beside its attention class
@@ -103,7 +140,7 @@ class SequenceParallel:
         else:
             from transformers.integrations.sdpa_attention import sdpa_attention_forward as core
         q, k, v = (self._heads_for_positions(t) for t in (query, key, value))
-        mask = self._active.mask
+        mask = self._shard.mask
         if mask is not None:
             mask = mask.to(q.device)
             if self.core == "eager":  # eager adds its mask to the scores
@@ -160,6 +197,11 @@ class SequenceParallel:
         return shard
 
 
+def _split_attention(module, query, key, value, attention_mask, **kwargs):
+    """The attention function registered with transformers: the running split's."""
+    return _ACTIVE[-1].attention(module, query, key, value, attention_mask, **kwargs)
+
+
 def whole_mask(
     positions: torch.Tensor, keys: torch.Tensor, plain_causal_is_none: bool
 ) -> torch.Tensor | None:
@@ -179,27 +221,30 @@ def whole_mask(
     return (causal & same & keys[:, None, :])[:, None]
 
 
+def _step(model, batch: dict, split: SequenceParallel | None):
+    """The loss (the sum over the batch's label tokens / their count) and every gradient, whole or split
+    (then summed over the group, as the run's gradient reduction sums the processes' parts)."""
+    from liger_cli.model.objectives.causal_lm import causal_lm_loss, label_units
+    from liger_cli.twin.kernel_check import Step
+
+    model.zero_grad(set_to_none=True)
+    units = label_units(batch)
+    if split is not None:
+        units = units.clone()
+        dist.all_reduce(units, group=split.group)
+    with split.attending(batch) if split else contextlib.nullcontext():
+        loss = causal_lm_loss(model, dict(batch), units)
+        loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    loss = loss.detach().clone()
+    if split is not None:
+        for tensor in (loss, *grads.values()):
+            dist.all_reduce(tensor, group=split.group)
+    return Step(loss, grads)
+
+
 def _all_to_all(pieces: torch.Tensor, group) -> torch.Tensor:
     """Piece i of dim 0 to process i of the group; what each sends back, stacked along dim 0."""
     from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
     return wait_tensor(all_to_all_single_autograd(pieces, None, None, group))
-
-
-def _unsplittable(config, text, degree: int) -> str | None:
-    """Why this model's attention cannot be split over `degree` processes, or None."""
-    if config is not text:
-        return "a vision-language model is not split (its image tokens attend as the family decides)"
-    heads, kv = (
-        text.num_attention_heads,
-        getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
-    )
-    if heads % degree or kv % degree:
-        return f"its {heads} attention heads and {kv} key-value heads must both be divisible by {degree}"
-    window = getattr(text, "sliding_window", None)
-    types = set(getattr(text, "layer_types", None) or ["full_attention"])
-    if types != {"full_attention"} or (window and getattr(text, "use_sliding_window", True)):
-        return "its layers use sliding-window or chunked attention, which the split's mask does not reproduce"
-    if getattr(text, "attention_dropout", 0.0):
-        return "attention dropout draws a different mask on each split"
-    return None

@@ -104,12 +104,14 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
         objective.check_data(data.eval, "eval")
     memory = MemoryWatch(accelerator.device)
     model, kernel_report = build_model(recipe, plan)
-    split_note = split.install(model) if split else None  # a model the split cannot serve: refused here
+    if split:  # proved on a twin of the model before anything is written: a split that changes it stops here
+        split.install(model)
+        split_checked = split.check_on_twin(recipe, plan.kernels)
     claim_output(output, accelerator.is_main_process, accelerator.wait_for_everyone)
     record_plan(recipe, plan, Applied(kernels_patched=kernel_report), accelerator.is_main_process, say)
     describe(model, data, say)
-    if split_note:
-        say(split_note)
+    if split:
+        say(split_checked)
     trainer = prepare(recipe, backend, model, data, say, run_fingerprint, memory, objective)
     trainer.split = split
     collate, unit = objective.collate, getattr(objective, "unit", "pair")  # unit: what the log calls them

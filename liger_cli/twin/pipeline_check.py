@@ -72,7 +72,7 @@ def check_pipeline(
         return _not_run(packing, why), Verdict(f"accumulation check: not run ({why})")
 
     def build(attn: str | None) -> nn.Module:
-        return _prepared(twin_builder(config, trust_remote_code, add_adapter, attn)(), kernels)
+        return prepared_twin(twin_builder(config, trust_remote_code, add_adapter, attn)(), kernels)
 
     with twin_session():
         try:
@@ -122,7 +122,7 @@ def packing_disagreement(model: nn.Module) -> str | None:
     from liger_cli.twin.tiny import twin_vocab
 
     vocab, pad = twin_vocab(model)
-    examples = _examples(PACKING_EXAMPLES, vocab)
+    examples = twin_examples(PACKING_EXAMPLES, vocab)
     rows = pack_examples(examples, PACKED_LENGTH)
     packed = collate(rows, pad)
     spans = []  # (row, start, end) of each example, from where its position_ids restart
@@ -182,7 +182,7 @@ def accumulation_disagreement(model: nn.Module, objective=None) -> str | None:
         micro = [{k: v[i : i + 1] for k, v in whole.items()} for i in range(whole["input_ids"].shape[0])]
     else:
         pairs = objective.unit == "pair"
-        examples = tiny_pairs(model) if pairs else _examples(ACCUMULATION_EXAMPLES, vocab)
+        examples = tiny_pairs(model) if pairs else twin_examples(ACCUMULATION_EXAMPLES, vocab)
         if objective.unit == "completion":  # kto: labelled completions with their KL sequences
             examples = tiny_unpaired(model)
         whole, micro = objective.collate(examples, pad), [objective.collate([e], pad) for e in examples]
@@ -195,7 +195,7 @@ def accumulation_disagreement(model: nn.Module, objective=None) -> str | None:
 
 
 # --- the twin and its steps ----------------------------------------------------------------------------------
-def _examples(spec, vocab: int, seed: int = 0) -> list[dict]:
+def twin_examples(spec, vocab: int, seed: int = 0) -> list[dict]:
     """Examples as the data stage makes them: ids, labels (-100 on an unlearned start), position_ids."""
     g = torch.Generator().manual_seed(seed)
     examples = []
@@ -206,7 +206,7 @@ def _examples(spec, vocab: int, seed: int = 0) -> list[dict]:
     return examples
 
 
-def _prepared(model: nn.Module, kernels: dict[str, bool]) -> nn.Module:
+def prepared_twin(model: nn.Module, kernels: dict[str, bool]) -> nn.Module:
     """The twin as the run trains it (kernels patched, train mode), every weight taking a gradient,
     without randomness: dropout and router jitter off, on the modules and in the config."""
     if any(kernels.values()):

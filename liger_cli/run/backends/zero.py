@@ -37,7 +37,8 @@ class DeepSpeed(Backend):
         config = {
             "train_micro_batch_size_per_gpu": t.micro_batch_size,
             "gradient_accumulation_steps": t.grad_accum,
-            "train_batch_size": plan.global_batch,
+            # DeepSpeed's own count: micro-batches x processes (a sequence-parallel group's share one)
+            "train_batch_size": t.micro_batch_size * t.grad_accum * plan.num_processes,
             "gradient_clipping": t.max_grad_norm or 0.0,
             "zero_optimization": zero,
             "bf16": {"enabled": plan.precision == "bf16"},
