@@ -70,7 +70,7 @@ DeviceMemoryOption = Annotated[
 
 
 def _device_memory(text: str | None) -> int | None:
-    from liger_cli.plan.memory import detected_device_memory, parse_device_memory
+    from liger_cli.plan.device_memory import detected_device_memory, parse_device_memory
 
     return parse_device_memory(text) if text is not None else detected_device_memory()
 

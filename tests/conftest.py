@@ -77,7 +77,7 @@ def pytest_xdist_auto_num_workers(config) -> int:
 # keeps them on one worker, so the launch runs once.
 TWO_PROCESS_FILES = (  # in the launch's order (test_memory_plan's case first: it measures memory)
     "test_memory_plan", "test_distributed", "test_grpo_backends", "test_qlora", "test_generate_backends", "test_vlm_distributed",
-    "test_deepspeed",
+    "test_sequence_parallel", "test_deepspeed",
 )  # fmt: skip
 LAUNCH_TIMEOUT = 2400
 

@@ -7,7 +7,7 @@ shares one. Usage:
     python -m torch.distributed.run --nproc_per_node 2 tests/dist_driver.py SPEC.json
 SPEC: {"cases": [CASE, ...]}, run in order. A training case is {"recipe": PATH, "env": {NAME: VALUE},
 "uint8_storage": bool, "expect_error": bool}; a check is {"check": NAME, "recipe": PATH} with NAME one
-of CHECKS (field_failure_1, zero3_load, generation), its result written beside its recipe by rank 0.
+of CHECKS (field_failure_1, zero3_load, generation, sequence_parallel), its result written beside its recipe by rank 0.
 `uint8_storage` loads a QLoRA base the way other launchers do under a sharding backend (uint8 storage:
 the 4-bit weights stay whole on every rank).
 Each case trains through `liger_cli.run.train.run`, exactly as `liger train` does in each rank, and
@@ -256,8 +256,37 @@ def run_cases(spec: dict) -> None:
                         os.environ[name] = value
 
 
+def sequence_parallel_checks(recipe_path: str) -> dict:
+    """The run's twin check of its split, as it is ("good") and with the second shard's positions off by
+    one ("broken": the error it stops the run with)."""
+    from liger_cli.errors import UserError
+    from liger_cli.run.sequence_parallel import SequenceParallel
+
+    recipe = load_recipe(recipe_path)
+    split = SequenceParallel.start(recipe.distributed.sequence_parallel)
+    kernels = build_plan(recipe).kernels
+    found = {"good": split.check_on_twin(recipe, kernels)}
+    shard = SequenceParallel.shard
+
+    def off_by_one(self, batch):
+        part = shard(self, batch)
+        if self.index == 1:
+            part["position_ids"] = part["position_ids"] + 1
+        return part
+
+    SequenceParallel.shard = off_by_one
+    try:
+        split.check_on_twin(recipe, kernels)
+    except UserError as err:
+        found["broken"] = str(err)
+    finally:
+        SequenceParallel.shard = shard
+    return found
+
+
 CHECKS = {"field_failure_1": (field_failure_1, ".ff1.txt"), "zero3_load": (zero3_load, ".zero3.json"),
-          "generation": (generation_gathers, ".generation.json")}  # fmt: skip
+          "generation": (generation_gathers, ".generation.json"),
+          "sequence_parallel": (sequence_parallel_checks, ".split.json")}  # fmt: skip
 """A check's name -> (what it runs on its recipe, the suffix of the file its result goes to)."""
 
 

@@ -180,7 +180,7 @@ def test_bad_device_memory_is_one_line_and_exit_2(tmp_path, args, message):
 
 
 def test_device_memory_sizes():
-    from liger_cli.plan.memory import parse_device_memory
+    from liger_cli.plan.device_memory import parse_device_memory
 
     assert parse_device_memory("80GB") == parse_device_memory("80GiB") == 80 * 2**30
     assert parse_device_memory("16384MB") == 16 * 2**30

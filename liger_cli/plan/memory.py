@@ -12,18 +12,17 @@ on a GPU, `torch.cuda.max_memory_allocated` (the verdict adds the CUDA context, 
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field, replace
 
 from torch import nn
 
-from liger_cli.errors import UserError
 from liger_cli.model.quantize import four_bit_bytes, shards_weights
 from liger_cli.plan.activations import Activations, measure_activations
 from liger_cli.plan.backends import BACKENDS
 from liger_cli.plan.decide import Plan
 from liger_cli.plan.image_inputs import meta_image_batch
 from liger_cli.plan.memory_objectives import kv_cache_bytes, reference, rows_per_example, teacher_bytes
+from liger_cli.plan.sequence_parallel import split_limit
 from liger_cli.recipe import Recipe
 
 MiB = 2**20
@@ -80,6 +79,13 @@ class Settings:
     """GRPO: the KV cache of sampling one micro-batch's completions (freed before its forward)."""
     score_head: bool = False  # a reward model: a score head, no vocabulary logits (no loss kernel)
     teacher: int = 0  # distill: the frozen teacher's weights and its hidden states for the step
+    sequence_parallel: int = 1
+    """Processes each sequence is split over: each holds 1/N of its tokens' activations and loss."""
+    split_mask: bool = False
+    """The split builds the whole sequence's boolean mask (packing, or eager attention): S x S a row."""
+    split_limit: int = 1
+    """The largest split (2, 4 or 8) this run could take (SFT, fsdp2 or ZeRO-3, attention the split
+    serves, heads divisible): what a suggestion may offer; 1 when none."""
 
 
 @dataclass(frozen=True)
@@ -154,22 +160,6 @@ def size(n: int) -> str:
     return f"{n / 1024:.1f} KiB"
 
 
-def parse_device_memory(text: str) -> int:
-    """'80GB', '80GiB', '81920MB', '1.5TB': GB and GiB both mean 2**30 bytes, as GPU sizes are quoted."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT])i?B?\s*", text, re.IGNORECASE)
-    if not match:
-        raise UserError(f"--device-memory {text!r}: give a size such as 80GB, 24GiB or 16384MB")
-    number, unit = float(match.group(1)), match.group(2).upper()
-    return int(number * 1024 ** "KMGT".index(unit) * 1024)
-
-
-def detected_device_memory() -> int | None:
-    """The first CUDA device's memory, or None without one."""
-    import torch
-
-    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
-
-
 # --- the estimate -----------------------------------------------------------------------------------------
 
 
@@ -216,14 +206,21 @@ def estimate(facts: Facts, s: Settings) -> tuple[dict[str, int], dict[str, str]]
     if s.kv_cache_bytes:
         pairs = f" ({s.micro_batch} prompts x {s.rows_per_example} completions)"
     pictures = f" ({facts.pictures})" if facts.pictures else ""
-    notes["activations"] = f"{rows} x {facts.seq_len} tokens{pairs}{pictures}, {mode}"
+    split = s.sequence_parallel
+    held = f", 1/{split} of each on this process (sequence parallel)" if split > 1 else ""
+    notes["activations"] = f"{rows} x {facts.seq_len} tokens{pairs}{pictures}{held}, {mode}"
     if facts.activations is None:
         parts["activations"] = 0
         notes["activations"] = f"NOT MEASURED ({facts.unmeasured}): the total is a lower bound"
-    else:
+    else:  # per token, attention's whole-sequence q, k, v for heads / N included: 1/N of them
         acts = facts.activations.checkpointed() if s.checkpointing else facts.activations.total
-        parts["activations"] = int(acts * rows / facts.batch)
-    parts["loss"], notes["loss"] = _loss(facts, rows * facts.seq_len, s.fused_loss, s.score_head)
+        parts["activations"] = int(acts * rows / facts.batch / split)
+    tokens = rows * -(-facts.seq_len // split)
+    parts["loss"], notes["loss"] = _loss(facts, tokens, s.fused_loss, s.score_head)
+    if split > 1 and s.split_mask:
+        length = -(-facts.seq_len // split) * split
+        parts["split mask"] = rows * length * length
+        notes["split mask"] = "the whole sequence's attention mask (packing or eager), one boolean a pair"
     if s.kv_cache_bytes:  # sampling precedes the step and is freed before it: counted as an upper bound
         parts["kv cache"] = s.kv_cache_bytes
         notes["kv cache"] = (
@@ -274,6 +271,9 @@ def settings_of(recipe: Recipe, plan: Plan) -> Settings:
         kv_cache_bytes=kv_cache_bytes(recipe),
         score_head=recipe.training.objective == "reward",
         teacher=teacher_bytes(recipe, plan.device),
+        sequence_parallel=dist.sequence_parallel,
+        split_mask=recipe.data.packing or recipe.model.attn_implementation == "eager",
+        split_limit=split_limit(recipe),  # what a suggestion may offer
     )
 
 
@@ -319,6 +319,15 @@ def suggest(facts: Facts, s: Settings, device_memory: int) -> list[Suggestion]:
         candidates.append((change, replace(s, backend="deepspeed", zero_stage=3)))
     if s.backend == "deepspeed" and s.zero_stage != 3 and s.num_processes > 1:
         candidates.append((("distributed.zero_stage=3",), replace(s, zero_stage=3)))
+    splits = [k for k in (2, 4, 8) if s.sequence_parallel < k <= s.split_limit]
+    if splits:  # each sequence over k processes (more processes where k does not divide them)
+        options = []
+        for k in splits:
+            world = -(-s.num_processes // k) * k
+            more = (f"distributed.num_processes={world}",) if world != s.num_processes else ()
+            options.append(((*more, f"distributed.sequence_parallel={k}"),
+                            replace(s, num_processes=world, sequence_parallel=k)))  # fmt: skip
+        candidates.append(first_fitting(options))
     found = [Suggestion(change, _total(facts, new)) for change, new in candidates]
     return sorted(found, key=lambda x: x.total > device_memory)  # stable: cheapest first within each
 

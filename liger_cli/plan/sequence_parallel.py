@@ -30,3 +30,20 @@ def split_note(config, degree: int, world: int) -> str:
         f"sequence parallel: each sequence split over {degree} processes ({world // degree} data-parallel "
         f"group(s)); attention over the whole sequence with {heads // degree} of {heads} heads on each"
     )
+
+
+def split_limit(recipe) -> int:
+    """The largest split (2, 4 or 8) the run could take, for the memory plan's suggestions: SFT or a
+    preference objective under fsdp2 or ZeRO-3, attention the split serves, heads divisible; 1 when it cannot take one."""
+    from liger_cli.model import read_config
+
+    d, attention = recipe.distributed, recipe.model.attn_implementation
+    sharded = d.backend == "fsdp2" or (d.backend == "deepspeed" and d.zero_stage == 3)
+    if (
+        not sharded
+        or recipe.training.objective not in ("sft", "dpo", "simpo", "orpo")
+        or attention not in (None, "sdpa", "eager")
+    ):
+        return 1
+    config = read_config(recipe.model.path or recipe.model.config, recipe.model.trust_remote_code)
+    return max([k for k in (2, 4, 8) if unsplittable(config, k) is None], default=1)

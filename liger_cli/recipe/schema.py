@@ -318,10 +318,10 @@ class Recipe(_Section):
         attention that takes a mask over the whole sequence (eager or sdpa)."""
         n, objective = self.distributed.sequence_parallel, self.training.objective
         attention = self.model.attn_implementation
-        if objective != "sft":
+        if objective not in ("sft", "dpo", "simpo", "orpo"):
             raise ValueError(
-                f"distributed.sequence_parallel {n} splits SFT's training pass; training.objective {objective} is "
-                "not split yet: remove distributed.sequence_parallel (or set it to 1)"
+                f"distributed.sequence_parallel {n} splits SFT's and the preference objectives' training passes; "
+                f"training.objective {objective} is not split yet: remove distributed.sequence_parallel"
             )
         if attention not in (None, "eager", "sdpa"):
             raise ValueError(

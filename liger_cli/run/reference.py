@@ -16,6 +16,7 @@ objective's `PAIR_INDEX` column.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -51,10 +52,12 @@ def precompute_for(
     say: Callable[[str], object],
     resume_from: Path | None,
     unit: str = "pair",
+    split=None,
 ):
     """The `precompute` an objective's `prepare` calls: computes (fresh run) or reads (resume) the
     table, gives every example its row, and returns the table on the run's device. `model` is the
-    prepared one (as the backend wrapped it); `collate` the objective's; `unit` what its examples are."""
+    prepared one (as the backend wrapped it); `collate` the objective's; `unit` what its examples are;
+    `split` the run's sequence parallelism (each group computes its share, split as it trains)."""
 
     def precompute(values) -> torch.Tensor:
         accelerator = backend.accelerator
@@ -68,7 +71,7 @@ def precompute_for(
             start = time.perf_counter()
             pad_id, micro = data.tokenizer.pad_token_id, recipe.training.micro_batch_size
             tables = {
-                name: _compute(model, dataset, values, collate, pad_id, micro, accelerator)
+                name: _compute(model, dataset, values, collate, pad_id, micro, accelerator, split)
                 for name, dataset in splits.items()
             }
             if accelerator.is_main_process:
@@ -93,15 +96,23 @@ def precompute_for(
     return precompute
 
 
-def _compute(model, dataset, values, collate, pad_id: int, micro: int, accelerator) -> torch.Tensor:
-    """[len(dataset), k] float32 on every rank: `values(model, batch)` of every example, in order."""
+def _compute(
+    model, dataset, values, collate, pad_id: int, micro: int, accelerator, split=None
+) -> torch.Tensor:
+    """[len(dataset), k] float32 on every rank: `values(model, batch)` of every example, in order (under
+    sequence parallelism every process of a group finds its batch's values: its first one keeps them)."""
     table = None
-    for rows, real in even_shares(len(dataset), micro, accelerator.num_processes, accelerator.process_index):
+    n = split.degree if split else 1
+    for rows, real in even_shares(
+        len(dataset), micro, accelerator.num_processes // n, accelerator.process_index // n
+    ):
         batch = collate([dataset[k] for k in rows], pad_id)
-        found = values(model, {k: v.to(accelerator.device) for k, v in batch.items()}).float()
+        batch = split.shard(batch) if split else batch
+        with split.attending(batch) if split else contextlib.nullcontext():
+            found = values(model, {k: v.to(accelerator.device) for k, v in batch.items()}).float()
         if table is None:
             table = torch.zeros(len(dataset), found.shape[1], device=accelerator.device)
-        if real:
+        if real and (split is None or split.index == 0):
             table[rows.start : rows.stop] = found
     return accelerator.reduce(table, "sum").cpu()
 

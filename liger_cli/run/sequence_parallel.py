@@ -12,10 +12,14 @@ The mask over the whole sequence (causal, each packed document alone, padding ne
 here from the whole micro-batch, which every process of the group holds, so no collective is needed
 for it; the model's own mask, built for the shard's length, is never made.
 
-Each token's loss is computed once, on the process holding it, and divided by the step's global label
-count as without the split (`causal_lm.label_units` counts a shard's shifted targets), so a step's
-loss and gradients are the unsplit ones; `check_split` proves it on the run's own model before the
-first step. docs/distributed.md#long-sequences says what is served and what is refused.
+SFT: each token's loss is computed once, on the process holding it, and divided by the step's global
+label count as without the split (`causal_lm.label_units` counts a shard's shifted targets). The
+preference objectives: each process's per-row log-prob sums are added over the group with their
+gradient (`sum_over_group`), so every process of the group computes the whole pairs' loss; each also
+counts the pairs, so the step's count is N times theirs and the processes' losses add up to the loss
+once. Either way a step's loss and gradients are the unsplit ones; `check_on_twin` proves it on the
+run's own model and objective before the first step. docs/distributed.md#long-sequences says what is
+served and what is refused.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch.distributed as dist
 
 from liger_cli.data.encode import IGNORE_INDEX, collate, pack_examples
 from liger_cli.errors import UserError
+from liger_cli.twin.pipeline_check import prepared_twin
 
 ATTENTION = "liger_sequence_parallel"  # the attention implementation a split forward runs under
 _ACTIVE: list = []  # the split whose forward is running (`attending`)
@@ -77,26 +82,22 @@ class SequenceParallel:
 
     def check_on_twin(self, recipe, kernels: dict[str, bool]) -> str:
         """Before the first step, on a tiny twin of the run's model (its class and code, the kernels
-        the run patched, the same seeded weights on every process of the group): a packed micro-batch and
-        a padded one give, split over the group, the loss and every gradient they give whole on each
-        process. A split that changes the math stops the run here. Returns the log's line."""
+        the run patched, the same seeded weights on every process of the group), by the run's objective:
+        SFT's packed and padded micro-batches, or a micro-batch of preference pairs, give split over the
+        group the loss and every gradient they give whole. A split that changes the math stops the run
+        here. Returns the log's line."""
         from liger_cli.model.build import read_config
+        from liger_cli.model.objectives import objective_for
         from liger_cli.plan.sequence_parallel import unsplittable
+        from liger_cli.process_state import loading_alone
         from liger_cli.twin.kernel_check import disagreement
-        from liger_cli.twin.pipeline_check import (
-            ACCUMULATION_EXAMPLES,
-            PACKED_LENGTH,
-            PACKING_EXAMPLES,
-            prepared_twin,
-            twin_examples,
-        )
-        from liger_cli.twin.tiny import TinyModelError, twin_builder, twin_session, twin_vocab
+        from liger_cli.twin.tiny import TinyModelError, twin_builder, twin_session
 
         m = recipe.model
-        with twin_session():
+        with twin_session(), loading_alone():  # built whole on each process, outside ZeRO-3's init
             try:
-                twin = twin_builder(read_config(m.path or m.config, m.trust_remote_code), m.trust_remote_code,
-                                    None, self.core)()  # fmt: skip
+                config = read_config(m.path or m.config, m.trust_remote_code)
+                twin = twin_builder(config, m.trust_remote_code, None, self.core)()
             except TinyModelError as err:
                 return f"sequence parallel check: not run (no tiny twin: {err})"
             twin = prepared_twin(twin, kernels)
@@ -104,21 +105,31 @@ class SequenceParallel:
                 return f"sequence parallel check: not run (the tiny twin: {why})"
             twin_split = SequenceParallel(self.degree, self.index, self.group, self.core)
             twin_split.install(twin)
-            vocab, pad = twin_vocab(twin)
-            packed = pack_examples(twin_examples(PACKING_EXAMPLES, vocab), PACKED_LENGTH)
-            for name, rows in (("packed", packed), ("padded", twin_examples(ACCUMULATION_EXAMPLES, vocab))):
-                batch = collate(rows, pad)
-                whole, split = _step(twin, batch, None), _step(twin, twin_split.shard(batch), twin_split)
+            whole_rule, split_rule = objective_for(recipe), objective_for(recipe)
+            if hasattr(split_rule, "whole"):  # per-sequence sums: added over the group
+                split_rule.whole = twin_split.sum_over_group
+            for name, batch in _twin_batches(twin, whole_rule):
+                whole = _step(twin, batch, None, whole_rule)
+                split = _step(twin, twin_split.shard(batch), twin_split, split_rule)
                 if why := disagreement(split, whole):
                     raise UserError(
                         f"distributed.sequence_parallel {self.degree}: on a tiny twin of the model, a {name} "
                         f"micro-batch split over {self.degree} processes and whole disagree ({why}): the "
                         "split would change what it learns; remove distributed.sequence_parallel"
                     )
+        names = " and a ".join(name for name, _ in _twin_batches(twin, whole_rule))
         return (
-            f"sequence parallel check: a packed and a padded micro-batch split over {self.degree} processes "
-            "vs whole on a tiny twin: the loss and every gradient agree"
+            f"sequence parallel check: a {names} micro-batch split over {self.degree} processes vs whole on a "
+            "tiny twin: the loss and every gradient agree"
         )
+
+    def sum_over_group(self, sums: torch.Tensor) -> torch.Tensor:
+        """Per-row sums of this process's part of each row -> the whole rows' sums, on every process of
+        the group, with their gradient (an all-gather, whose backward hands each part its share)."""
+        from torch.distributed._functional_collectives import all_gather_tensor_autograd, wait_tensor
+
+        gathered = wait_tensor(all_gather_tensor_autograd(sums.unsqueeze(0), 0, self.group))
+        return gathered.sum(0)
 
     @contextlib.contextmanager
     def attending(self, shard: Shard):
@@ -193,6 +204,9 @@ class SequenceParallel:
             shift_labels=targets[:, part].contiguous(),
             position_ids=positions[:, part].contiguous(),
         )
+        for key, value in batch.items():  # per-row values (a pair's reference row): as they are
+            if key not in ("input_ids", "labels", "position_ids", "attention_mask"):
+                shard[key] = value
         shard.mask = whole_mask(positions, keys, plain_causal_is_none=self.core != "eager")
         return shard
 
@@ -221,19 +235,39 @@ def whole_mask(
     return (causal & same & keys[:, None, :])[:, None]
 
 
-def _step(model, batch: dict, split: SequenceParallel | None):
-    """The loss (the sum over the batch's label tokens / their count) and every gradient, whole or split
-    (then summed over the group, as the run's gradient reduction sums the processes' parts)."""
-    from liger_cli.model.objectives.causal_lm import causal_lm_loss, label_units
+def _twin_batches(twin, objective) -> list[tuple[str, dict]]:
+    """The twin check's micro-batches, by the objective's own collation: SFT's packed and padded ones
+    (uneven lengths and label counts), or preference pairs (chosen and rejected rows)."""
+    from liger_cli.twin.pipeline_check import (
+        ACCUMULATION_EXAMPLES,
+        PACKED_LENGTH,
+        PACKING_EXAMPLES,
+        twin_examples,
+    )
+    from liger_cli.twin.tiny import tiny_pairs, twin_vocab
+
+    vocab, pad = twin_vocab(twin)
+    if objective.unit == "pair":
+        return [("preference-pair", objective.collate(tiny_pairs(twin), pad))]
+    packed = pack_examples(twin_examples(PACKING_EXAMPLES, vocab), PACKED_LENGTH)
+    return [
+        ("packed", collate(packed, pad)),
+        ("padded", collate(twin_examples(ACCUMULATION_EXAMPLES, vocab), pad)),
+    ]
+
+
+def _step(model, batch: dict, split: SequenceParallel | None, objective):
+    """The objective's loss (divided by the batch's units, over the group when split) and every
+    gradient, whole or split (then summed over the group, as the run's gradient reduction sums the
+    processes' parts)."""
     from liger_cli.twin.kernel_check import Step
 
     model.zero_grad(set_to_none=True)
-    units = label_units(batch)
+    units = objective.units(batch).clone()
     if split is not None:
-        units = units.clone()
         dist.all_reduce(units, group=split.group)
     with split.attending(batch) if split else contextlib.nullcontext():
-        loss = causal_lm_loss(model, dict(batch), units)
+        loss = objective.loss(model, dict(batch), units)[0]
         loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     loss = loss.detach().clone()

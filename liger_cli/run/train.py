@@ -106,6 +106,8 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
     model, kernel_report = build_model(recipe, plan)
     if split:  # proved on a twin of the model before anything is written: a split that changes it stops here
         split.install(model)
+        if hasattr(objective, "whole"):  # per-sequence sums (preference): added over the group
+            objective.whole = split.sum_over_group
         split_checked = split.check_on_twin(recipe, plan.kernels)
     claim_output(output, accelerator.is_main_process, accelerator.wait_for_everyone)
     record_plan(recipe, plan, Applied(kernels_patched=kernel_report), accelerator.is_main_process, say)
@@ -116,7 +118,7 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
     trainer.split = split
     collate, unit = objective.collate, getattr(objective, "unit", "pair")  # unit: what the log calls them
     reference = precompute_for(
-        recipe, backend, trainer.model, data, collate, run_fingerprint, say, output.resume_from, unit
+        recipe, backend, trainer.model, data, collate, run_fingerprint, say, output.resume_from, unit, split
     )
     objective.prepare(reference)  # before any weight changes
     if getattr(objective, "online", False):

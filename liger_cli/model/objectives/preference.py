@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -43,6 +44,10 @@ class Preference:
         self.adapter = adapter
         self.reference: torch.Tensor | None = None
         """[pairs, 2] (chosen, rejected) reference log-probs, when precomputed (full fine-tuning)."""
+        self.whole: Callable[[torch.Tensor], torch.Tensor] = lambda sums: sums
+        """Per-row sums of a batch's parts -> the whole rows' sums: under sequence parallelism each
+        process holds a part of every row, and the run sets this to the sum over the processes of a
+        group (`liger_cli.run.sequence_parallel`); the loss is then the same on each of them."""
 
     def collate(self, examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
         """2B rows, chosen then rejected, padded together (one forward for both answers)."""
@@ -72,7 +77,7 @@ class Preference:
         every flag as it was afterwards."""
         with torch.no_grad(), kept_flags(model):
             model.eval()
-            logp = sequence_logprobs(model, batch)[0].float()
+            logp = self.whole(sequence_logprobs(model, batch))[0].float()
         n = logp.shape[0] // 2
         return torch.stack([logp[:n], logp[n:]], dim=1)
 
@@ -81,7 +86,7 @@ class Preference:
 
         o = self.options
         ref = self._reference(model, batch) if self.objective in NEEDS_REFERENCE else (None, None)
-        logp, count = sequence_logprobs(model, batch)
+        logp, count = self.whole(sequence_logprobs(model, batch))
         n = logp.shape[0] // 2
         per_pair, metrics = preference_loss(
             self.objective, logp[:n], logp[n:], count[:n], count[n:], *ref,
@@ -105,7 +110,7 @@ class Preference:
             return rows[:, 0], rows[:, 1]
         if self.adapter:
             with torch.no_grad(), reference_mode(model):
-                logp = sequence_logprobs(model, batch)[0]
+                logp = self.whole(sequence_logprobs(model, batch))[0]
             n = logp.shape[0] // 2
             return logp[:n], logp[n:]
         rows = self.reference_logps(model, batch)
@@ -142,8 +147,8 @@ class Preference:
 
 
 def sequence_logprobs(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed log-probability of the learned tokens, their count) of every row, through the model's
-    own forward with its loss_function swapped for the call."""
+    """[2, rows]: (summed log-probability of the learned tokens, their count) of every row, through the
+    model's own forward with its loss_function swapped for the call."""
     from liger_kernels import sequence_logprobs_loss
 
     causal_lm = find_causal_lm(model)
@@ -156,7 +161,7 @@ def sequence_logprobs(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple
             f"{type(causal_lm).__name__}.forward changed what its loss_function returned (an auxiliary loss "
             "added to it?): the preference objectives need the per-sequence log-probabilities untouched"
         )
-    return stacked[0], stacked[1]
+    return stacked
 
 
 @contextlib.contextmanager
