@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One command for a CUDA machine: install what is needed, run every GPU test, the kernel sweep with
-# its peers and a kernels on/off A/B of a real training step, and write one markdown report with the
+# its peers, a kernels on/off A/B of a real training step and (with 2 GPUs) sequence parallelism at
+# 32k, and write one markdown report with the
 # numbers and the GPU's name (bench/results/gpu-report.md, or $LIGER_GPU_OUT/gpu-report.md).
 #
 #     bash bench/gpu.sh

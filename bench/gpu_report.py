@@ -213,6 +213,22 @@ def main() -> int:
     if code != 0:
         failed.append("training A/B")
 
+    print("gpu_report: sequence parallelism", flush=True)
+    report += ["## Sequence parallelism: 1 GPU at 16k vs 2 GPUs with `sequence_parallel: 2` at 32k", ""]
+    if torch.cuda.device_count() < 2:
+        report += [f"not run: the split needs 2 GPUs, this machine has {torch.cuda.device_count()}.", ""]
+    else:
+        argv = [sys.executable, "bench/sequence_parallel.py", "--recipe", "recipes/bench-llama-1b.yaml",
+                "--length", "16384", "--steps", "3"]  # fmt: skip
+        code, out, secs = run(argv, ab_s)
+        report += [
+            f"`{' '.join(argv[1:])}` ({secs:.0f} s, exit {code}):",
+            "",
+            *out.strip().splitlines()[-6:],
+            "",
+        ]
+        if code != 0:
+            failed.append("sequence parallelism")
     write(final=True)
     print(f"gpu_report: wrote {path}" + (f" (failed: {', '.join(failed)})" if failed else ""))
     return 1 if failed else 0

@@ -320,8 +320,8 @@ class Recipe(_Section):
         attention = self.model.attn_implementation
         if objective not in ("sft", "dpo", "simpo", "orpo"):
             raise ValueError(
-                f"distributed.sequence_parallel {n} splits SFT's and the preference objectives' training passes; "
-                f"training.objective {objective} is not split yet: remove distributed.sequence_parallel"
+                f"distributed.sequence_parallel {n}: training.objective {objective} is not split yet (sft, dpo, "
+                "simpo and orpo are); remove distributed.sequence_parallel"
             )
         if attention not in (None, "eager", "sdpa"):
             raise ValueError(

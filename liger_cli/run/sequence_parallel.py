@@ -33,7 +33,6 @@ import torch.distributed as dist
 
 from liger_cli.data.encode import IGNORE_INDEX, collate, pack_examples
 from liger_cli.errors import UserError
-from liger_cli.twin.pipeline_check import prepared_twin
 
 ATTENTION = "liger_sequence_parallel"  # the attention implementation a split forward runs under
 _ACTIVE: list = []  # the split whose forward is running (`attending`)
@@ -43,6 +42,19 @@ class Shard(dict):
     """One process's part of a micro-batch (model inputs), with the mask over the whole sequence."""
 
     mask: torch.Tensor | None = None
+    _ready: torch.Tensor | None = None  # the mask as the attention takes it, made once for every layer
+
+    def mask_for(self, core: str, like: torch.Tensor) -> torch.Tensor | None:
+        """sdpa takes the boolean mask as it is; eager adds its mask to the scores (0 or the lowest
+        value), on the queries' device."""
+        if self.mask is None or self._ready is not None:
+            return self._ready
+        mask = self.mask.to(like.device)
+        if core == "eager":
+            lowest = torch.finfo(like.dtype).min
+            mask = torch.zeros(mask.shape, dtype=like.dtype, device=like.device).masked_fill(~mask, lowest)
+        self._ready = mask
+        return mask
 
 
 @dataclass
@@ -91,6 +103,7 @@ class SequenceParallel:
         from liger_cli.plan.sequence_parallel import unsplittable
         from liger_cli.process_state import loading_alone
         from liger_cli.twin.kernel_check import disagreement
+        from liger_cli.twin.pipeline_check import prepared_twin
         from liger_cli.twin.tiny import TinyModelError, twin_builder, twin_session
 
         m = recipe.model
@@ -108,7 +121,8 @@ class SequenceParallel:
             whole_rule, split_rule = objective_for(recipe), objective_for(recipe)
             if hasattr(split_rule, "whole"):  # per-sequence sums: added over the group
                 split_rule.whole = twin_split.sum_over_group
-            for name, batch in _twin_batches(twin, whole_rule):
+            batches = _twin_batches(twin, whole_rule)
+            for name, batch in batches:
                 whole = _step(twin, batch, None, whole_rule)
                 split = _step(twin, twin_split.shard(batch), twin_split, split_rule)
                 if why := disagreement(split, whole):
@@ -117,7 +131,7 @@ class SequenceParallel:
                         f"micro-batch split over {self.degree} processes and whole disagree ({why}): the "
                         "split would change what it learns; remove distributed.sequence_parallel"
                     )
-        names = " and a ".join(name for name, _ in _twin_batches(twin, whole_rule))
+        names = " and a ".join(name for name, _ in batches)
         return (
             f"sequence parallel check: a {names} micro-batch split over {self.degree} processes vs whole on a "
             "tiny twin: the loss and every gradient agree"
@@ -142,6 +156,7 @@ class SequenceParallel:
         finally:
             _ACTIVE.pop()
             self._config._attn_implementation, self._shard = before, None
+            shard._ready = None  # the device copy of its mask lives as long as its forwards
 
     def attention(self, module, query, key, value, attention_mask, **kwargs):
         """[B, H, S/N, D] shards of q, k, v -> attention over the whole sequence on H/N heads ->
@@ -151,15 +166,8 @@ class SequenceParallel:
         else:
             from transformers.integrations.sdpa_attention import sdpa_attention_forward as core
         q, k, v = (self._heads_for_positions(t) for t in (query, key, value))
-        mask = self._shard.mask
-        if mask is not None:
-            mask = mask.to(q.device)
-            if self.core == "eager":  # eager adds its mask to the scores
-                mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(
-                    ~mask, torch.finfo(q.dtype).min
-                )
         kwargs.pop("is_causal", None)
-        out, _ = core(module, q, k, v, mask, **kwargs)  # [B, S, H/N, D]
+        out, _ = core(module, q, k, v, self._shard.mask_for(self.core, q), **kwargs)  # [B, S, H/N, D]
         return self._positions_for_heads(out), None
 
     def _heads_for_positions(self, x: torch.Tensor) -> torch.Tensor:
