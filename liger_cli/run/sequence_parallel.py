@@ -165,26 +165,20 @@ class SequenceParallel:
             core = sys.modules[type(module).__module__].eager_attention_forward
         else:
             from transformers.integrations.sdpa_attention import sdpa_attention_forward as core
-        q, k, v = (self._heads_for_positions(t) for t in (query, key, value))
+        q, k, v = (self._exchange(t) for t in (query, key, value))  # [B, H/N, S, D] each
         kwargs.pop("is_causal", None)
         out, _ = core(module, q, k, v, self._shard.mask_for(self.core, q), **kwargs)  # [B, S, H/N, D]
-        return self._positions_for_heads(out), None
+        return self._exchange(out), None
 
-    def _heads_for_positions(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, H, S/N, D] -> [B, H/N, S, D]: head group g goes to process g, positions come back."""
-        b, h, s, d = x.shape
+    def _exchange(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, A, C, D] -> [B, A/N, N*C, D]: dim 1 cut into N pieces, piece g to process g of the group,
+        what comes back joined along dim 2. Positions for heads ([B, H, S/N, D] -> [B, H/N, S, D]) and
+        back again ([B, S, H/N, D] -> [B, S/N, H, D])."""
+        b, a, c, d = x.shape
         n = self.degree
-        pieces = x.reshape(b, n, h // n, s, d).transpose(0, 1).contiguous()  # [N, B, H/N, S/N, D]
-        got = _all_to_all(pieces, self.group)  # [N (whose positions), B, H/N, S/N, D]
-        return got.permute(1, 2, 0, 3, 4).reshape(b, h // n, n * s, d)
-
-    def _positions_for_heads(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, S, H/N, D] -> [B, S/N, H, D]: the reverse exchange."""
-        b, s, h, d = x.shape
-        n = self.degree
-        pieces = x.reshape(b, n, s // n, h, d).transpose(0, 1).contiguous()  # [N, B, S/N, H/N, D]
-        got = _all_to_all(pieces, self.group)  # [N (whose heads), B, S/N, H/N, D]
-        return got.permute(1, 2, 0, 3, 4).reshape(b, s // n, n * h, d)
+        pieces = x.reshape(b, n, a // n, c, d).transpose(0, 1).contiguous()  # [N, B, A/N, C, D]
+        got = _all_to_all(pieces, self.group)  # [N (whose piece), B, A/N, C, D]
+        return got.permute(1, 2, 0, 3, 4).reshape(b, a // n, n * c, d)
 
     # --- the data --------------------------------------------------------------------------------------
 
