@@ -25,10 +25,15 @@ temperature: `fused_linear_token_logprob` computes it without building logits. W
 
 Each function returns sums over the rows it is given, never a mean: the caller divides by the step's
 global count of units (completions, or tokens for dapo and cispo), so micro-batches and processes
-add up to the same update as one batch (`tests/test_grpo.py`).
+add up to the same update as one batch (`tests/test_grpo.py`). `row_sum` (default: nothing) adds a
+row's sums over the positions that other processes hold, where a sequence is split over several
+(sequence parallelism): every per-completion quantity (gspo's ratio, grpo's and gspo's per-completion
+means, dr_grpo's sums and the completions counted) is then the whole row's, on each of them.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -68,6 +73,7 @@ def grpo_token_loss(
     ref_logp: torch.Tensor | None = None,
     weights: torch.Tensor | None = None,
     loss: str = "grpo",
+    row_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token loss [B, T] (0 where `mask` is False) of `loss`, and per-token indicators/values for
     metrics: `clipped` (grpo, dapo, dr_grpo: the token's clip bound is the one taken; gspo: the
@@ -81,8 +87,9 @@ def grpo_token_loss(
         indicator = ratio > 1 + epsilon_high
     else:
         if loss == "gspo":
-            learned = mask.to(logp.dtype)
-            log_s = torch.where(mask.bool(), logp.detach() - old_logp, 0).sum(1) / learned.sum(1).clamp(min=1)
+            whole = row_sum or (lambda sums: sums)
+            learned = whole(mask.to(logp.dtype).sum(1))
+            log_s = whole(torch.where(mask.bool(), logp.detach() - old_logp, 0).sum(1)) / learned.clamp(min=1)
             ratio = torch.exp(log_s.unsqueeze(1) + (logp - logp.detach()))  # s_i, with logp_t's gradient
         else:
             ratio = torch.exp(logp - old_logp)
@@ -104,22 +111,34 @@ def grpo_token_loss(
     return per_token * mask, {k: v * mask for k, v in stats.items()}
 
 
-def aggregate(values: torch.Tensor, mask: torch.Tensor, loss: str, max_new_tokens: int) -> torch.Tensor:
+def aggregate(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    loss: str,
+    max_new_tokens: int,
+    row_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """A [B, T] per-token quantity summed as `loss` aggregates: over completions of per-completion means
     (grpo, gspo), over tokens (dapo, cispo), over tokens / max_new_tokens (dr_grpo). Divide by
     `loss_units`."""
+    whole = row_sum or (lambda sums: sums)
     if loss in ("grpo", "gspo"):
-        return (values.sum(1) / mask.sum(1).clamp(min=1)).sum()
-    if loss in PER_TOKEN:
+        return (whole(values.sum(1)) / whole(mask.to(values.dtype).sum(1)).clamp(min=1)).sum()
+    if loss in PER_TOKEN:  # each token once, wherever it is held
         return values.sum()
     if loss == "dr_grpo":
-        return values.sum() / max_new_tokens
+        return whole(values.sum(1)).sum() / max_new_tokens
     raise ValueError(f"loss {loss!r}: choose one of {', '.join(LOSSES)}")
 
 
-def loss_units(mask: torch.Tensor, loss: str) -> torch.Tensor:
+def loss_units(
+    mask: torch.Tensor, loss: str, row_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> torch.Tensor:
     """What the step's sum is divided by, for these rows: completions (rows with a learned token: a row
     left wholly out of the loss is not one), or completion tokens (dapo, cispo)."""
     if loss not in LOSSES:
         raise ValueError(f"loss {loss!r}: choose one of {', '.join(LOSSES)}")
-    return mask.sum() if loss in PER_TOKEN else (mask.sum(1) > 0).sum()
+    if loss in PER_TOKEN:
+        return mask.sum()
+    learned = mask.sum(1)
+    return ((row_sum(learned.float()) if row_sum else learned) > 0).sum()

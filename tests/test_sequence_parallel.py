@@ -3,11 +3,12 @@ processes of a group trains what one process trains on the whole sequences.
 
 In this process: the shard and mask arithmetic against formulas written here, and every refusal (one
 line, exit 2, before any weight loads). In the suite's ONE 2-process launch (tests/conftest.py
-`two_process_launch`): SFT with packing and activation checkpointing under FSDP-2, and padded SFT with
-an eval set under ZeRO-3, each `sequence_parallel: 2` (one group of 2: both processes hold the same
-micro-batch, each half of its positions) against the 1-process run with the same global batch (per-step
-loss and eval loss within 1e-5, the same adapter); and the twin check, which passes, and stops a split
-whose second shard's positions are off by one.
+`two_process_launch`): SFT with packing and activation checkpointing under FSDP-2, padded SFT with an
+eval set under ZeRO-3, DPO with full fine-tuning under FSDP-2 and a multi-turn GRPO run with a tool
+(GSPO, off-policy, a KL term) under FSDP-2, each `sequence_parallel: 2` (one group of 2: both processes
+hold the same micro-batch, each half of its positions) against the 1-process run with the same global
+batch (per-step loss, eval loss, margins, KL and rewards within 1e-5, the same weights); and the twin
+check, which passes, and stops a split whose second shard's positions are off by one.
 """
 
 from __future__ import annotations
@@ -161,14 +162,17 @@ CASES = {  # name -> (backend, packing, activation checkpointing, eval, objectiv
     "fsdp2-packed": ("fsdp2", True, "non_reentrant", False, "sft"),
     "zero3-padded": ("deepspeed", False, "off", True, "sft"),
     "fsdp2-dpo-full": ("fsdp2", False, "off", True, "dpo"),
+    "fsdp2-agent-gspo": ("fsdp2", False, "off", False, "grpo"),
 }
+AGENT = REPO / "recipes" / "agent"
 
 
 def run_recipe(
     root: Path, out: Path, backend: str, packing: bool, checkpointing: str, evaluate: bool, objective: str
 ) -> Path:
-    """SFT (LoRA from a saved random adapter) on instruction rows, or DPO with full fine-tuning on
-    preference pairs (its reference log-probs precomputed, split as it trains)."""
+    """SFT (LoRA from a saved random adapter) on instruction rows, DPO with full fine-tuning on
+    preference pairs (its reference log-probs precomputed, split as it trains), or GRPO's multi-turn
+    agent run (GSPO, each batch trained twice, a KL term: the rollouts sampled whole, trained split)."""
     world = 1 if backend == "none" else 2
     data = {
         "model": {"path": str(root / "model")},
@@ -182,6 +186,15 @@ def run_recipe(
         "distributed": {"backend": backend, "num_processes": world, "activation_checkpointing": checkpointing,
                         **({"sequence_parallel": 2} if world == 2 else {})},
     }  # fmt: skip
+    if objective == "grpo":  # multi-turn with a tool on the shipped agent model: GSPO, off-policy, KL
+        data["model"] = {"path": str(AGENT / "model")}
+        data["adapter"] = {"type": "lora", "r": 4, "alpha": 8}
+        data["data"] = {"train": str(AGENT / "train.jsonl"), "format": "prompt", "max_seq_len": 256}
+        data["training"] |= {"objective": "grpo", "max_steps": 2, "micro_batch_size": 1, "lr": 5.0e-3}
+        data["rl"] = {"num_generations": 4, "max_new_tokens": 80, "max_turns": 2, "loss": "gspo", "beta": 0.05,
+                      "num_iterations": 2, "epsilon": 3e-4, "epsilon_high": 4e-4,
+                      "tools": [f"{AGENT / 'tools.py'}:lookup"],
+                      "rewards": [{"function": f"{AGENT / 'rewards.py'}:correct"}]}  # fmt: skip
     if objective == "dpo":
         data["adapter"] = {"type": "none"}
         data["data"] |= {"train": str(root / "pairs.jsonl"), "format": "preference", "max_seq_len": 24}
@@ -251,16 +264,29 @@ def test_a_split_sequence_trains_what_one_process_trains(name, two_processes, on
         in said
     )
     got, want = metrics(out), metrics(ref)
-    assert [m["step"] for m in got] == [m["step"] for m in want] and len(want) >= STEPS
+    assert [m["step"] for m in got] == [m["step"] for m in want] and len(want) >= 2
     for mine, theirs in zip(got, want, strict=True):
-        for key in ("loss", "eval_loss", "rewards/margins", "eval_rewards/margins"):
+        for key in (
+            "loss",
+            "eval_loss",
+            "rewards/margins",
+            "eval_rewards/margins",
+            "kl",
+            "reward",
+            "reward_std",
+        ):
             if key in theirs:
                 assert mine[key] == pytest.approx(theirs[key], abs=1e-5), (mine, theirs)
-    weights = "adapter_model" if CASES[name][-1] == "sft" else "model"
+    weights = "model" if CASES[name][-1] == "dpo" else "adapter_model"
     got_w, want_w = (load_file(p / "final" / f"{weights}.safetensors") for p in (out, ref))
     assert got_w.keys() == want_w.keys() and got_w
     for key in want_w:
         torch.testing.assert_close(got_w[key], want_w[key], atol=2e-5, rtol=1e-4, msg=key)
+    if CASES[name][-1] == "grpo":  # a group samples once: each completion written once, as 1 process writes
+        rows = [(out / "rollouts.jsonl").read_text().splitlines() for out in (out, ref)]
+        key = lambda line: json.dumps({k: json.loads(line)[k] for k in ("step", "completion_ids", "reward")})  # noqa: E731
+        assert sorted(map(key, rows[0])) == sorted(map(key, rows[1])) and len(rows[1]) == 4 * 2
+        assert "a rollout micro-batch split over 2 processes" in said
     if name.endswith("dpo-full"):  # the reference table, computed split, is the 1-process one
         assert "reference log-probs: computed for 24 train / 6 eval pairs" in said
         assert "a preference-pair micro-batch split over 2 processes" in said

@@ -17,8 +17,11 @@ label count as without the split (`causal_lm.label_units` counts a shard's shift
 preference objectives: each process's per-row log-prob sums are added over the group with their
 gradient (`sum_over_group`), so every process of the group computes the whole pairs' loss; each also
 counts the pairs, so the step's count is N times theirs and the processes' losses add up to the loss
-once. Either way a step's loss and gradients are the unsplit ones; `check_on_twin` proves it on the
-run's own model and objective before the first step. docs/distributed.md#long-sequences says what is
+once. GRPO: a group's processes sample the same completions (the rollout's sums count each group once:
+`once`), then train split, per-token values cut with the tokens and a completion's quantities added
+over the group the same way (`liger_kernels.grpo`'s `row_sum`). Either way a step's loss and gradients
+are the unsplit ones; `check_on_twin` proves it on the run's own model and objective before the first
+step. docs/distributed.md#long-sequences says what is
 served and what is refused.
 """
 
@@ -119,8 +122,8 @@ class SequenceParallel:
             twin_split = SequenceParallel(self.degree, self.index, self.group, self.core)
             twin_split.install(twin)
             whole_rule, split_rule = objective_for(recipe), objective_for(recipe)
-            if hasattr(split_rule, "whole"):  # per-sequence sums: added over the group
-                split_rule.whole = twin_split.sum_over_group
+            if hasattr(split_rule, "split"):  # per-row sums: added over the group
+                split_rule.split = twin_split
             batches = _twin_batches(twin, whole_rule)
             for name, batch in batches:
                 whole = _step(twin, batch, None, whole_rule)
@@ -136,6 +139,24 @@ class SequenceParallel:
             f"sequence parallel check: a {names} micro-batch split over {self.degree} processes vs whole on a "
             "tiny twin: the loss and every gradient agree"
         )
+
+    def once(self, reduce):
+        """A sum over every process (`reduce`) of what each process of a group holds alike (a rollout's
+        rewards and counts: its processes sample the same completions), counted once per group."""
+        return lambda tensor, op="sum": (
+            reduce(tensor, op) / self.degree if op == "sum" else reduce(tensor, op)
+        )
+
+    def values(self, compute, batch: dict[str, torch.Tensor], device) -> torch.Tensor:
+        """`compute`'s per-position values of a whole batch ([B, S], no gradient), computed split as the
+        training pass computes them: each process on its part, the parts gathered (so a rollout's
+        log-probs are those its training pass starts from, bit for bit)."""
+        part = self.shard(batch)
+        with self.attending(part):
+            found = compute({k: v.to(device) for k, v in part.items()})
+        pieces = [torch.empty_like(found) for _ in range(self.degree)]
+        dist.all_gather(pieces, found.contiguous(), group=self.group)
+        return torch.cat(pieces, 1)[:, : batch["input_ids"].shape[1]]
 
     def sum_over_group(self, sums: torch.Tensor) -> torch.Tensor:
         """Per-row sums of this process's part of each row -> the whole rows' sums, on every process of
@@ -206,9 +227,16 @@ class SequenceParallel:
             shift_labels=targets[:, part].contiguous(),
             position_ids=positions[:, part].contiguous(),
         )
-        for key, value in batch.items():  # per-row values (a pair's reference row): as they are
-            if key not in ("input_ids", "labels", "position_ids", "attention_mask"):
-                shard[key] = value
+        for key, value in batch.items():
+            if key in ("input_ids", "labels", "position_ids", "attention_mask"):
+                continue
+            if value.dim() >= 2 and value.shape[:2] == (
+                rows,
+                length,
+            ):  # per position (grpo's log-probs, mask)
+                value = torch.cat([value, value.new_zeros(rows, pad, *value.shape[2:])], 1) if pad else value
+                value = value[:, part].contiguous()
+            shard[key] = value  # per row (advantages, a pair's reference row): as it is
         shard.mask = whole_mask(positions, keys, plain_causal_is_none=self.core != "eager")
         return shard
 
@@ -239,7 +267,8 @@ def whole_mask(
 
 def _twin_batches(twin, objective) -> list[tuple[str, dict]]:
     """The twin check's micro-batches, by the objective's own collation: SFT's packed and padded ones
-    (uneven lengths and label counts), or preference pairs (chosen and rejected rows)."""
+    (uneven lengths and label counts), preference pairs (chosen and rejected rows), or GRPO's rollout
+    rows (the objective's own `twin_batch`)."""
     from liger_cli.twin.pipeline_check import (
         ACCUMULATION_EXAMPLES,
         PACKED_LENGTH,
@@ -249,6 +278,8 @@ def _twin_batches(twin, objective) -> list[tuple[str, dict]]:
     from liger_cli.twin.tiny import tiny_pairs, twin_vocab
 
     vocab, pad = twin_vocab(twin)
+    if hasattr(objective, "twin_batch"):  # grpo: rollout rows (prompts, completions, their log-probs)
+        return [("rollout", objective.twin_batch(vocab, pad))]
     if objective.unit == "pair":
         return [("preference-pair", objective.collate(tiny_pairs(twin), pad))]
     packed = pack_examples(twin_examples(PACKING_EXAMPLES, vocab), PACKED_LENGTH)

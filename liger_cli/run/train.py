@@ -106,8 +106,8 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
     model, kernel_report = build_model(recipe, plan)
     if split:  # proved on a twin of the model before anything is written: a split that changes it stops here
         split.install(model)
-        if hasattr(objective, "whole"):  # per-sequence sums (preference): added over the group
-            objective.whole = split.sum_over_group
+        if hasattr(objective, "split"):  # per-row sums added over the group (preference, grpo)
+            objective.split = split
         split_checked = split.check_on_twin(recipe, plan.kernels)
     claim_output(output, accelerator.is_main_process, accelerator.wait_for_everyone)
     record_plan(recipe, plan, Applied(kernels_patched=kernel_report), accelerator.is_main_process, say)
@@ -312,14 +312,19 @@ def fit(trainer: Trainer) -> dict[str, float]:
         if online:  # the step's prompts, each sampled rl.num_generations times and scored
             first = objective.data_step(step) * t.grad_accum
             examples = [data.examples(first + a) for a in range(t.grad_accum)]
-            micro = objective.rollout(step, examples, model, sampler, sampler.reduce)
-            write_rollouts(out, sampler.gather(objective.samples), main)
+            split = trainer.split  # a group's processes sample the same completions: counted once
+            micro = objective.rollout(
+                step, examples, model, sampler, split.once(sampler.reduce) if split else sampler.reduce
+            )
+            write_rollouts(
+                out, sampler.gather(objective.samples if not split or split.index == 0 else []), main
+            )
         else:
             micro = [
                 objective.collate(data.examples(step * t.grad_accum + a), pad_id) for a in range(t.grad_accum)
             ]
-            if trainer.split:  # this process's positions of each (units and loss count its tokens only)
-                micro = [trainer.split.shard(b) for b in micro]
+        if trainer.split:  # this process's positions of each micro-batch (units and loss count its part)
+            micro = [trainer.split.shard(b) for b in micro]
         num_items = accelerator.reduce(sum(objective.units(b) for b in micro).to(device), "sum").clamp(min=1)
         if hasattr(objective, "begin_step"):  # kto: what the step's whole global batch decides (z0)
             objective.begin_step(model, micro, device, lambda t: accelerator.reduce(t, "sum"))

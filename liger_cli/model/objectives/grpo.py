@@ -62,6 +62,10 @@ class Grpo:
         self._reference: list[torch.Tensor] | None = None
         """Full fine-tuning with beta > 0: the starting weights as this process stores them."""
         self._stored = None
+        self.split = None
+        """The run's sequence parallelism (`liger_cli.run.sequence_parallel`, set by the run), or None: the
+        rollout's log-probs are then computed split as training computes them (`split.values`), and a
+        completion's sums are added over its group (`split.sum_over_group`) before the loss."""
 
     # --- what the loop asks -------------------------------------------------------------------------
 
@@ -103,7 +107,7 @@ class Grpo:
     def units(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         from liger_kernels.grpo import loss_units
 
-        return loss_units(batch["completion_mask"], self.rl.loss)
+        return loss_units(batch["completion_mask"], self.rl.loss, self._row_sum)
 
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor], num_items: torch.Tensor):
         from liger_kernels.grpo import aggregate, grpo_token_loss
@@ -118,13 +122,14 @@ class Grpo:
             weights = torch.clamp(ratio, max=rl.importance_sampling_cap) * mask
         per_token, stats = grpo_token_loss(
             logp, old, batch["advantages"], mask, rl.epsilon, rl.epsilon_high, rl.beta,
-            batch.get("ref_logp"), weights, rl.loss,
+            batch.get("ref_logp"), weights, rl.loss, self._row_sum,
         )  # fmt: skip
         divide = num_items.to(per_token.device, per_token.dtype)
-        metrics = {"clip_fraction": aggregate(stats["clipped"], mask, rl.loss, rl.max_new_tokens) / divide}
+        total = lambda values: aggregate(values, mask, rl.loss, rl.max_new_tokens, self._row_sum) / divide  # noqa: E731
+        metrics = {"clip_fraction": total(stats["clipped"])}
         if "kl" in stats:
-            metrics["kl"] = aggregate(stats["kl"], mask, rl.loss, rl.max_new_tokens) / divide
-        return aggregate(per_token, mask, rl.loss, rl.max_new_tokens) / divide, metrics
+            metrics["kl"] = total(stats["kl"])
+        return total(per_token), metrics
 
     def collate(self, examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
         """The prompts alone as a batch (the final check's probe); training batches come from rollout."""
@@ -159,6 +164,10 @@ class Grpo:
             self._stored = stored = backend.stored_trainable
             with torch.no_grad():
                 self._reference = [t.detach().clone() for t in stored(model)]
+
+    @property
+    def _row_sum(self):
+        return self.split.sum_over_group if self.split else None
 
     def twin_batch(self, vocab: int, pad_id: int, rows: int = 4, seed: int = 0) -> dict[str, torch.Tensor]:
         """Rollout rows as `rollout` makes them, with random ids below `vocab` (prompts and completions of
@@ -268,13 +277,20 @@ class Grpo:
         """The trainer's log-probs of the sampled tokens under the weights that sampled them (no dropout,
         no gradient) and, with beta > 0, the reference's (the adapter switched off)."""
         device = next(p for p in model.parameters()).device
-        on_device = {k: v.to(device) for k, v in batch.items()}
+
+        def logps(rows: dict) -> torch.Tensor:  # split as training splits them, under sequence parallelism
+            if self.split:
+                return self.split.values(
+                    lambda part: token_logprobs(model, part, self.rl.temperature)[0], rows, device
+                )
+            return token_logprobs(model, {k: v.to(device) for k, v in rows.items()}, self.rl.temperature)[0]
+
         with torch.no_grad(), kept_flags(model):
             model.eval()
-            batch["old_logp"] = token_logprobs(model, on_device, self.rl.temperature)[0].cpu()
+            batch["old_logp"] = logps(batch).cpu()
             if self.rl.beta > 0:
                 with self._reference_weights(model):
-                    batch["ref_logp"] = token_logprobs(model, on_device, self.rl.temperature)[0].cpu()
+                    batch["ref_logp"] = logps(batch).cpu()
 
     @contextlib.contextmanager
     def _reference_weights(self, model: nn.Module):
@@ -364,7 +380,13 @@ def token_logprobs(model: nn.Module, batch: dict, temperature: float) -> tuple[t
     from liger_kernels import token_logprobs_loss
 
     causal_lm = find_causal_lm(model)
-    names = ("input_ids", "labels", "attention_mask", "position_ids")
+    names = (
+        "input_ids",
+        "labels",
+        "attention_mask",
+        "position_ids",
+        "shift_labels",
+    )  # shift_labels: a split's
     with loss_function_swapped(causal_lm, token_logprobs_loss(temperature)):
         output = model(**{k: batch[k] for k in names if k in batch})
     stacked = output.loss

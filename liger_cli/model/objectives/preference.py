@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -44,10 +43,10 @@ class Preference:
         self.adapter = adapter
         self.reference: torch.Tensor | None = None
         """[pairs, 2] (chosen, rejected) reference log-probs, when precomputed (full fine-tuning)."""
-        self.whole: Callable[[torch.Tensor], torch.Tensor] = lambda sums: sums
-        """Per-row sums of a batch's parts -> the whole rows' sums: under sequence parallelism each
-        process holds a part of every row, and the run sets this to the sum over the processes of a
-        group (`liger_cli.run.sequence_parallel`); the loss is then the same on each of them."""
+        self.split = None
+        """The run's sequence parallelism (`liger_cli.run.sequence_parallel`, set by the run), or None:
+        each process then holds a part of every row, and a row's log-prob sums are added over its
+        group (`split.sum_over_group`) before the loss, which is then the same on each of them."""
 
     def collate(self, examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
         """2B rows, chosen then rejected, padded together (one forward for both answers)."""
@@ -77,7 +76,7 @@ class Preference:
         every flag as it was afterwards."""
         with torch.no_grad(), kept_flags(model):
             model.eval()
-            logp = self.whole(sequence_logprobs(model, batch))[0].float()
+            logp = self._whole(sequence_logprobs(model, batch))[0].float()
         n = logp.shape[0] // 2
         return torch.stack([logp[:n], logp[n:]], dim=1)
 
@@ -86,7 +85,7 @@ class Preference:
 
         o = self.options
         ref = self._reference(model, batch) if self.objective in NEEDS_REFERENCE else (None, None)
-        logp, count = self.whole(sequence_logprobs(model, batch))
+        logp, count = self._whole(sequence_logprobs(model, batch))
         n = logp.shape[0] // 2
         per_pair, metrics = preference_loss(
             self.objective, logp[:n], logp[n:], count[:n], count[n:], *ref,
@@ -110,11 +109,14 @@ class Preference:
             return rows[:, 0], rows[:, 1]
         if self.adapter:
             with torch.no_grad(), reference_mode(model):
-                logp = self.whole(sequence_logprobs(model, batch))[0]
+                logp = self._whole(sequence_logprobs(model, batch))[0]
             n = logp.shape[0] // 2
             return logp[:n], logp[n:]
         rows = self.reference_logps(model, batch)
         return rows[:, 0], rows[:, 1]
+
+    def _whole(self, sums: torch.Tensor) -> torch.Tensor:
+        return self.split.sum_over_group(sums) if self.split else sums
 
     def start_note(self, first: dict[str, float]) -> str | None:
         """DPO starts from policy == reference (the adapter's B is zero; without an adapter the
