@@ -234,6 +234,16 @@ def test_a_4bit_teacher_and_a_qlora_student_train_on_their_4bit_forwards(setup, 
     assert planned == pytest.approx(sum(stored.values()), rel=0.01)
     full = sum(t.numel() * 4 for t in load_file(teacher / "model.safetensors").values())
     assert planned < 0.7 * full  # the unquantized embeddings and lm_head are most of a tiny model
+    # FSDP-2 on 2 processes: its layers' packed 4-bit bytes halved (one layer gathered), everything
+    # else (statistics, embeddings, norms, head) whole on each process
+    packed = [sum(p.numel() * p.element_size() for n, p in models[1].named_parameters()
+                  if f".layers.{i}." in n and p.dtype == torch.uint8) for i in (0, 1)]  # fmt: skip
+    overrides = ["distributed.backend=fsdp2", "distributed.num_processes=2", "training.grad_accum=1"]
+    dry = liger_here("train", str(recipe), "--dry-run", "--json", "--set", "kernels.check=false",
+                     *(x for o in overrides for x in ("--set", o)))  # fmt: skip
+    assert dry.returncode == 0, dry.stderr
+    sharded = json.loads(dry.stdout)["memory"]["components"]["teacher"] - 2 * 2 * 48 * 64 * 4
+    assert sharded == pytest.approx(planned - sum(packed) + sum(packed) / 2 + max(packed), abs=64)
 
 
 # --- the loss on hand-made rollouts ------------------------------------------------------------------------

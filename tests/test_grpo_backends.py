@@ -152,6 +152,8 @@ def one_process(assets) -> dict[str, Path]:
     cases.append({"recipe": str(agent_recipe(assets, outs["agent"]))})
     outs["distill"] = assets["root"] / "ref-distill"
     cases.append({"recipe": str(distill_recipe(assets, outs["distill"]))})
+    outs["distill-4bit"] = assets["root"] / "ref-distill-4bit"
+    cases.append({"recipe": str(distill_recipe(assets, outs["distill-4bit"], quantize="nf4"))})
     run_here({"cases": cases})
     return outs
 
@@ -181,6 +183,8 @@ def launch_part(root: Path) -> tuple[list[dict], dict[str, dict[str, Path]]]:
         cases.append(
             {"recipe": str(distill_recipe(assets, outs["distill"][backend], backend, **distributed))}
         )
+    outs["distill-4bit"] = root / "distill-fsdp2-4bit"  # a 4-bit teacher, its packed layers sharded too
+    cases.append({"recipe": str(distill_recipe(assets, outs["distill-4bit"], "fsdp2", quantize="nf4"))})
     return cases, outs
 
 
@@ -238,8 +242,11 @@ def same_run(out: Path, reference: Path, weights: str) -> None:
         torch.testing.assert_close(got_w[name], want_w[name], atol=2e-5, rtol=1e-4, msg=name)
 
 
-def distill_recipe(assets: dict, out: Path, backend: str = "none", **distributed) -> Path:
-    """On-policy distillation toward a second tiny model (other weights, the same tokenizer)."""
+def distill_recipe(
+    assets: dict, out: Path, backend: str = "none", quantize: str = "none", **distributed
+) -> Path:
+    """On-policy distillation toward a second tiny model (other weights, the same tokenizer), in fp32 or
+    with its linear layers in 4 bits (`quantize`)."""
     from conftest import save_tiny_model
 
     teacher = assets["root"] / "teacher"
@@ -252,7 +259,7 @@ def distill_recipe(assets: dict, out: Path, backend: str = "none", **distributed
         "data": {"train": str(assets["prompts"]), "format": "prompt", "max_seq_len": 40},
         "training": {"objective": "distill", "max_steps": 2, "micro_batch_size": 2, "grad_accum": 4 // world,
                      "lr": 5.0e-3, "scheduler": "constant", "seed": 3},
-        "distill": {"teacher": str(teacher)},
+        "distill": {"teacher": str(teacher), "quantize": quantize},
         "rl": {"num_generations": 2, "max_new_tokens": 6},
     }  # fmt: skip
     return written(data, out, backend, world, distributed)
@@ -283,5 +290,26 @@ def test_two_processes_distill_as_one_under_each_backend(backend, one_process, b
             assert mine[name] == pytest.approx(theirs[name], abs=1e-5), name
     got_w, want_w = (load_file(p / "final" / "adapter_model.safetensors") for p in (out, reference))
     assert got_w.keys() == want_w.keys() and got_w
+    for name in want_w:
+        torch.testing.assert_close(got_w[name], want_w[name], atol=2e-5, rtol=1e-4, msg=name)
+
+
+def test_a_4bit_teacher_sharded_by_fsdp2_distills_as_one_process(one_process, backend_runs) -> None:
+    """The teacher's linear layers in 4 bits (packed in fp32 storage so that they shard), each decoder
+    layer a fully_shard unit: each rank holds less than all of it, and the run equals 1 process with the
+    same 4-bit teacher whole (completions, loss and KL per step, adapter)."""
+    out, reference = backend_runs["distill-4bit"], one_process["distill-4bit"]
+    said = (out.parent / f"{out.name}.stdout").read_text()
+    held, whole = (
+        int(n.replace(",", "")) for n in re.search(r"teacher holds ([\d,]+) of its ([\d,]+)", said).groups()
+    )
+    assert held < whole and "sharded over 2 processes by FSDP-2" in said, said
+    assert "nf4 4-bit linear layers, its decoder layers sharded over the processes" in said
+    key = lambda r: (r["step"], json.dumps(r["prompt"]), r["completion_ids"])  # noqa: E731 - order within a step
+    assert sorted(map(key, rollouts(out))) == sorted(map(key, rollouts(reference)))
+    for mine, theirs in zip(steps(out), steps(reference), strict=True):
+        for name in ("loss", "kl"):
+            assert mine[name] == pytest.approx(theirs[name], abs=1e-5), name
+    got_w, want_w = (load_file(p / "final" / "adapter_model.safetensors") for p in (out, reference))
     for name in want_w:
         torch.testing.assert_close(got_w[name], want_w[name], atol=2e-5, rtol=1e-4, msg=name)

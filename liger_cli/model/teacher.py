@@ -68,7 +68,7 @@ def check_teacher(recipe) -> str:
 
         require_bitsandbytes(four_bit, _quantize_key(recipe))
     how = "" if four_bit == "none" else f", {four_bit} 4-bit linear layers"
-    if recipe.distributed.frozen_model_kept_whole() is None and four_bit == "none":
+    if recipe.distributed.frozen_model_kept_whole() is None:
         how += ", its decoder layers sharded over the processes"
     return (
         f"distill: teacher {path} ({count:,} parameters{how}, frozen, no gradient), its tokenizer the student's "
@@ -111,8 +111,9 @@ def _quantize_key(recipe) -> str:
 def load_teacher(recipe, device: torch.device) -> nn.Module:
     """The teacher, once, whole on every process (outside ZeRO-3's init): from_pretrained in the run's
     precision (`teacher_dtype`), its linear layers in 4 bits where distill.quantize (or model.quantize)
-    says, no remote code, frozen, in eval mode, on `device`, with our fused-loss interception patched in
-    (no kernel that changes a number)."""
+    says (packed in that precision where the backend will shard its layers, as a QLoRA base's are), no
+    remote code, frozen, in eval mode, on `device`, with our fused-loss interception patched in (no
+    kernel that changes a number)."""
     from liger_cli import process_state
     from liger_cli.model import quantize
     from liger_cli.model.build import model_class, read_config
@@ -123,9 +124,14 @@ def load_teacher(recipe, device: torch.device) -> nn.Module:
     if recipe.model.attn_implementation:
         kwargs["attn_implementation"] = recipe.model.attn_implementation
     four_bit = teacher_quantize(recipe)
-    if four_bit != "none":  # replicated, never sharded: the usual uint8 storage
+    if four_bit != "none":  # packed in its compute dtype where its layers shard (as a QLoRA base), else uint8
+        sharded = recipe.distributed.frozen_model_kept_whole() is None
         kwargs["quantization_config"] = quantize.quantization_config(
-            four_bit, True, kwargs["dtype"], key=_quantize_key(recipe)
+            four_bit,
+            True,
+            kwargs["dtype"],
+            kwargs["dtype"] if sharded else torch.uint8,
+            key=_quantize_key(recipe),
         )
     with process_state.loading_alone():
         teacher = model_class(read_config(path)).from_pretrained(path, **kwargs)

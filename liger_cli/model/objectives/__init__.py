@@ -16,7 +16,9 @@ first loss, and `evaluate` once with all of its eval batches; the objective runs
 them and sums what it needs over processes with `reduce` (KTO's KL estimate z0 and label counts), so
 the step's math is the same however it is cut into micro-batches and processes. Every process must make
 the same forwards (FSDP and ZeRO-3 forwards are collective); `counted` marks evaluation's padding
-batches, which are run but not counted. A new objective is a new file here and one line in `objective_for`. The objectives sit in the model stage so that the twin's checks (kernels,
+batches, which are run but not counted. An objective with a `split` attribute (preference, grpo) is
+given the run's sequence parallelism, if any, to add a row's sums over the processes holding its parts
+(`liger_cli.run.sequence_parallel`). A new objective is a new file here and one line in `objective_for`. The objectives sit in the model stage so that the twin's checks (kernels,
 accumulation) run the very loss the run trains with.
 """
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import time
 
 import torch
@@ -40,6 +39,7 @@ from liger_cli.model.objectives.preference import (
     reference_mode,
 )
 from liger_cli.model.objectives.rewards import Reward, score
+from liger_cli.model.objectives.rollout_stats import rollout_stats
 
 ROLLOUTS_FILE = "rollouts.jsonl"
 
@@ -91,7 +91,7 @@ class Grpo:
         self._advantages(micro, reduce)
         for batch in micro:
             self._trainer_logps(model, batch)
-        self.step_stats = self._stats(micro, rows, reduce)
+        self.step_stats = rollout_stats(micro, rows, reduce, self.rl, self.rewards)
         # This process's seconds: sampling and scoring, then the whole rollout (with the no-grad log-probs).
         tools = getattr(sample, "tools_s", 0.0) - tools_before
         self.step_stats |= {
@@ -311,56 +311,6 @@ class Grpo:
             with torch.no_grad():
                 stored = self._stored(model)  # resharded again: the next forward gathers the trained ones
             swap_in_place(stored, self._reference)
-
-    def _stats(self, micro: list[dict], rows: list[dict], reduce) -> dict[str, float]:
-        """The step's rollout metrics over every completion of every process."""
-        g = self.rl.num_generations
-        rewards = torch.cat([b["rewards"] for b in micro]).double()
-        lengths = torch.tensor([r["sampled_tokens"] for r in rows], dtype=torch.float64)
-        cut = torch.tensor([r["finish_reason"] == "length" for r in rows], dtype=torch.float64)
-        zero_std = (rewards.view(-1, g).std(dim=1) < 1e-8).double()
-        mask = torch.cat([b["completion_mask"].flatten() for b in micro]).double()
-        old = torch.cat([b["old_logp"].flatten() for b in micro]).double()
-        sampler = torch.cat([b["sampler_logp"].flatten() for b in micro]).double()
-        diff = (old - sampler) * mask
-        ratio = torch.exp(diff)
-        sums = {
-            "reward": rewards.sum(), "reward_sq": (rewards**2).sum(), "completions": torch.tensor(float(len(rows))),
-            "length": lengths.sum(), "clipped_length": cut.sum(), "zero_std_groups": zero_std.sum(),
-            "groups": torch.tensor(float(zero_std.numel())), "tokens": mask.sum(),
-            "abs_diff": diff.abs().sum(), "ratio": (ratio * mask).sum(),
-        }  # fmt: skip
-        if self.rl.agentic:  # per trajectory: model turns, tool calls, tool errors
-            for name in ("turns", "tool_calls", "tool_errors"):
-                sums[name] = torch.tensor(float(sum(r[name] for r in rows)))
-        for reward in self.rewards:
-            values = [r["rewards"][reward.name] for r in rows]
-            sums[f"{reward.name}_sum"] = torch.tensor(
-                sum(v for v in values if v is not None), dtype=torch.float64
-            )
-            sums[f"{reward.name}_n"] = torch.tensor(float(sum(v is not None for v in values)))
-        names = list(sums)
-        total = dict(zip(names, reduce(torch.stack([sums[n] for n in names])).tolist(), strict=True))
-        extremes = reduce(torch.stack([
-            -lengths.min(), lengths.max(), -torch.where(mask > 0, ratio, math.inf).min(),
-            torch.where(mask > 0, ratio, -math.inf).max(),
-        ]), "max").tolist()  # fmt: skip
-        n, tokens = total["completions"], max(total["tokens"], 1.0)
-        mean = total["reward"] / n
-        stats = {
-            "reward": mean,
-            "reward_std": math.sqrt(max(total["reward_sq"] / n - mean**2, 0.0) * n / max(n - 1, 1)),
-            **{f"rewards/{r.name}": total[f"{r.name}_sum"] / max(total[f"{r.name}_n"], 1) for r in self.rewards},
-            "frac_zero_std_groups": total["zero_std_groups"] / total["groups"],
-            "completion_length": total["length"] / n, "completion_length_min": -extremes[0],
-            "completion_length_max": extremes[1], "clipped_ratio": total["clipped_length"] / n,
-            "sampler/abs_logp_diff": total["abs_diff"] / tokens, "sampler/ratio_mean": total["ratio"] / tokens,
-            "sampler/ratio_min": -extremes[2], "sampler/ratio_max": extremes[3],
-        }  # fmt: skip
-        if self.rl.agentic:
-            stats |= {"turns": total["turns"] / n, "tool/calls": total["tool_calls"] / n,
-                      "tool/errors": total["tool_errors"] / n}  # fmt: skip
-        return stats
 
     def _rows(self, step: int, micro: list[dict], rows: list[dict]) -> list[dict]:
         """rollouts.jsonl's rows, one per trajectory: `completion_ids` every id after the prompt (sampled and

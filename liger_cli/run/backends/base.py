@@ -69,14 +69,11 @@ class Backend:
         sharded (`frozen_model_kept_whole`): each of its decoder layers (its own wrap classes) a
         fully_shard unit over every process, whatever the backend, so that a forward gathers one layer
         at a time and frees it after. Its embeddings, final norm and lm_head stay whole on each process
-        (the fused divergence reads the head as a plain tensor), and so does a 4-bit model (uint8
-        storage). Returns how, for the log."""
-        from liger_cli.model.quantize import four_bit_layers
-
+        (the fused divergence reads the head as a plain tensor). A 4-bit model's packed weights shard
+        too (stored in its compute dtype, `load_teacher`), their statistics stay whole on each process
+        (bitsandbytes keeps them on the layer). Returns how, for the log."""
         if why := self.recipe.distributed.frozen_model_kept_whole():
             return f"whole on each process: {why}"
-        if four_bit_layers(module):
-            return "whole on each process: its 4-bit layers are not sharded"
         if not self.active:
             return f"whole on each process: {self.name} is not running"
         from torch.distributed.fsdp import fully_shard
