@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from liger_cli.data.batches import even_shares, with_filler
 from liger_cli.model.objectives import Objective
+from liger_cli.run.sequence_parallel import attending
 
 
 @torch.no_grad()
@@ -42,7 +41,7 @@ def evaluate(
         reduce = lambda t: accelerator.reduce(t, "sum")  # noqa: E731
         objective.begin_step(model, batches(), device, reduce, [real for _, real in shares])
     for (_, real), batch in zip(shares, batches(), strict=True):  # every rank runs the same forwards (FSDP)
-        with split.attending(batch) if split else contextlib.nullcontext():
+        with attending(split, batch):
             batch = {k: v.to(device) for k, v in batch.items()}
             loss, stats = objective.loss(model, batch, torch.ones((), device=device))  # sums over its units
         names = list(stats)

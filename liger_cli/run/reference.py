@@ -16,7 +16,6 @@ objective's `PAIR_INDEX` column.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -31,6 +30,7 @@ from liger_cli.data.batches import even_shares
 from liger_cli.errors import UserError
 from liger_cli.model.objectives import PAIR_INDEX
 from liger_cli.run.fingerprint import short_json
+from liger_cli.run.sequence_parallel import attending
 
 if TYPE_CHECKING:
     from liger_cli.recipe import Recipe
@@ -108,7 +108,7 @@ def _compute(
     ):
         batch = collate([dataset[k] for k in rows], pad_id)
         batch = split.shard(batch) if split else batch
-        with split.attending(batch) if split else contextlib.nullcontext():
+        with attending(split, batch):
             found = values(model, {k: v.to(accelerator.device) for k, v in batch.items()}).float()
         if table is None:
             table = torch.zeros(len(dataset), found.shape[1], device=accelerator.device)

@@ -241,6 +241,12 @@ class SequenceParallel:
         return shard
 
 
+def attending(split: SequenceParallel | None, batch):
+    """The split attention through the forwards (and backward's recomputations) of a block, for a run
+    with or without a split."""
+    return split.attending(batch) if split else contextlib.nullcontext()
+
+
 def _split_attention(module, query, key, value, attention_mask, **kwargs):
     """The attention function registered with transformers: the running split's."""
     return _ACTIVE[-1].attention(module, query, key, value, attention_mask, **kwargs)
@@ -299,7 +305,7 @@ def _step(model, batch: dict, split: SequenceParallel | None, objective):
     units = objective.units(batch).clone()
     if split is not None:
         dist.all_reduce(units, group=split.group)
-    with split.attending(batch) if split else contextlib.nullcontext():
+    with attending(split, batch):
         loss = objective.loss(model, dict(batch), units)[0]
         loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -15,7 +15,6 @@ batches, all ranks): each micro-batch's loss is a sum divided by the step's glob
 
 from __future__ import annotations
 
-import contextlib
 import json
 import pickle
 import sys
@@ -42,7 +41,7 @@ from liger_cli.run.inputs import Data, load_data
 from liger_cli.run.metrics import MemoryWatch, MetricsLog, peak_memory_mb
 from liger_cli.run.output_dir import OutputDecision, claim_output
 from liger_cli.run.reference import precompute_for
-from liger_cli.run.sequence_parallel import SequenceParallel
+from liger_cli.run.sequence_parallel import SequenceParallel, attending
 
 FINAL_METRICS = "final_metrics.json"
 
@@ -252,11 +251,6 @@ def finish(trainer: Trainer, last: dict[str, float]) -> None:
 
 
 # --- the loop ---------------------------------------------------------------------------------------------
-
-
-def attending(split: SequenceParallel | None, batch):
-    """The split attention through a micro-batch's forward and backward (recomputations included)."""
-    return split.attending(batch) if split else contextlib.nullcontext()
 
 
 def fit(trainer: Trainer) -> dict[str, float]:
