@@ -163,6 +163,7 @@ CASES = {  # name -> (backend, packing, activation checkpointing, eval, objectiv
     "zero3-padded": ("deepspeed", False, "off", True, "sft"),
     "fsdp2-dpo-full": ("fsdp2", False, "off", True, "dpo"),
     "fsdp2-agent-gspo": ("fsdp2", False, "off", False, "grpo"),
+    "fsdp2-distill": ("fsdp2", False, "off", False, "distill"),
 }
 AGENT = REPO / "recipes" / "agent"
 
@@ -195,6 +196,17 @@ def run_recipe(
                       "num_iterations": 2, "epsilon": 3e-4, "epsilon_high": 4e-4,
                       "tools": [f"{AGENT / 'tools.py'}:lookup"],
                       "rewards": [{"function": f"{AGENT / 'rewards.py'}:correct"}]}  # fmt: skip
+    if objective == "distill":  # the shipped distill recipe's student, teacher (sharded too) and prompts
+        data["model"] = {"path": str(REPO / "recipes" / "quickstart" / "model")}
+        data["adapter"] = {"type": "lora", "init": str(REPO / "recipes" / "grpo" / "sft-start")}
+        data["data"] = {
+            "train": str(REPO / "recipes" / "grpo" / "train.jsonl"),
+            "format": "prompt",
+            "max_seq_len": 64,
+        }
+        data["training"] |= {"objective": "distill", "max_steps": 2}
+        data["distill"] = {"teacher": str(REPO / "recipes" / "distill" / "teacher")}
+        data["rl"] = {"num_generations": 2, "max_new_tokens": 8}
     if objective == "dpo":
         data["adapter"] = {"type": "none"}
         data["data"] |= {"train": str(root / "pairs.jsonl"), "format": "preference", "max_seq_len": 24}
@@ -282,10 +294,12 @@ def test_a_split_sequence_trains_what_one_process_trains(name, two_processes, on
     assert got_w.keys() == want_w.keys() and got_w
     for key in want_w:
         torch.testing.assert_close(got_w[key], want_w[key], atol=2e-5, rtol=1e-4, msg=key)
-    if CASES[name][-1] == "grpo":  # a group samples once: each completion written once, as 1 process writes
+    if CASES[name][-1] in ("grpo", "distill"):  # a group samples once: each completion written once
         rows = [(out / "rollouts.jsonl").read_text().splitlines() for out in (out, ref)]
-        key = lambda line: json.dumps({k: json.loads(line)[k] for k in ("step", "completion_ids", "reward")})  # noqa: E731
-        assert sorted(map(key, rows[0])) == sorted(map(key, rows[1])) and len(rows[1]) == 4 * 2
+        fields = ("step", "completion_ids", "reward")
+        rows = [sorted(json.dumps({k: json.loads(r).get(k) for k in fields}) for r in part) for part in rows]
+        written = {"grpo": 4 * 2, "distill": 2 * 2 * 2 * 2}[CASES[name][-1]]  # once a data step and group
+        assert rows[0] == rows[1] and len(rows[1]) == written
         assert "a rollout micro-batch split over 2 processes" in said
     if name.endswith("dpo-full"):  # the reference table, computed split, is the 1-process one
         assert "reference log-probs: computed for 24 train / 6 eval pairs" in said

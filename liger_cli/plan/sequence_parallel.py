@@ -41,7 +41,7 @@ def split_limit(recipe) -> int:
     sharded = d.backend == "fsdp2" or (d.backend == "deepspeed" and d.zero_stage == 3)
     if (
         not sharded
-        or recipe.training.objective not in ("sft", "dpo", "simpo", "orpo", "grpo")
+        or recipe.training.objective not in ("sft", "dpo", "simpo", "orpo", "grpo", "distill")
         or attention not in (None, "sdpa", "eager")
     ):
         return 1

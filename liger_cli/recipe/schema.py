@@ -318,10 +318,10 @@ class Recipe(_Section):
         attention that takes a mask over the whole sequence (eager or sdpa)."""
         n, objective = self.distributed.sequence_parallel, self.training.objective
         attention = self.model.attn_implementation
-        if objective not in ("sft", "dpo", "simpo", "orpo", "grpo"):
+        if objective not in ("sft", "dpo", "simpo", "orpo", "grpo", "distill"):
             raise ValueError(
                 f"distributed.sequence_parallel {n}: training.objective {objective} is not split yet (sft, dpo, "
-                "simpo, orpo and grpo are); remove distributed.sequence_parallel"
+                "simpo, orpo, grpo and distill are); remove distributed.sequence_parallel"
             )
         if attention not in (None, "eager", "sdpa"):
             raise ValueError(

@@ -19,7 +19,8 @@ gradient (`sum_over_group`), so every process of the group computes the whole pa
 counts the pairs, so the step's count is N times theirs and the processes' losses add up to the loss
 once. GRPO: a group's processes sample the same completions (the rollout's sums count each group once:
 `once`), then train split, per-token values cut with the tokens and a completion's quantities added
-over the group the same way (`liger_kernels.grpo`'s `row_sum`). Either way a step's loss and gradients
+over the group the same way (`liger_kernels.grpo`'s `row_sum`); distillation likewise, the teacher's
+hidden states computed whole in the rollout and cut with the tokens. Either way a step's loss and gradients
 are the unsplit ones; `check_on_twin` proves it on the run's own model and objective before the first
 step. docs/distributed.md#long-sequences says what is
 served and what is refused.
@@ -121,13 +122,11 @@ class SequenceParallel:
                 return f"sequence parallel check: not run (the tiny twin: {why})"
             twin_split = SequenceParallel(self.degree, self.index, self.group, self.core)
             twin_split.install(twin)
-            whole_rule, split_rule = objective_for(recipe), objective_for(recipe)
-            if hasattr(split_rule, "split"):  # per-row sums: added over the group
-                split_rule.split = twin_split
-            batches = _twin_batches(twin, whole_rule)
+            rule = objective_for(recipe)
+            batches = _twin_batches(twin, rule)
             for name, batch in batches:
-                whole = _step(twin, batch, None, whole_rule)
-                split = _step(twin, twin_split.shard(batch), twin_split, split_rule)
+                whole = _step(twin, batch, None, rule)
+                split = _step(twin, twin_split.shard(batch), twin_split, rule)
                 if why := disagreement(split, whole):
                     raise UserError(
                         f"distributed.sequence_parallel {self.degree}: on a tiny twin of the model, a {name} "
@@ -302,6 +301,8 @@ def _step(model, batch: dict, split: SequenceParallel | None, objective):
     from liger_cli.twin.kernel_check import Step
 
     model.zero_grad(set_to_none=True)
+    if hasattr(objective, "split"):  # per-row sums: added over the group when split
+        objective.split = split
     units = objective.units(batch).clone()
     if split is not None:
         dist.all_reduce(units, group=split.group)

@@ -34,7 +34,7 @@ from liger_cli.data.encode import IGNORE_INDEX, collate
 from liger_cli.model.objectives.grpo import _shifted
 from liger_cli.model.objectives.preference import find_causal_lm, kept_flags, loss_function_swapped
 
-NAMES = ("input_ids", "labels", "attention_mask", "position_ids")  # what each forward takes from a batch
+NAMES = ("input_ids", "labels", "attention_mask", "position_ids", "shift_labels")  # what a forward takes (shift_labels: a split's)
 
 
 class Distill:
