@@ -34,7 +34,8 @@ from liger_cli.data.encode import IGNORE_INDEX, collate
 from liger_cli.model.objectives.grpo import _shifted
 from liger_cli.model.objectives.preference import find_causal_lm, kept_flags, loss_function_swapped
 
-NAMES = ("input_ids", "labels", "attention_mask", "position_ids", "shift_labels")  # what a forward takes (shift_labels: a split's)
+# What each forward takes from a batch (shift_labels: a sequence-parallel shard's targets)
+NAMES = ("input_ids", "labels", "attention_mask", "position_ids", "shift_labels")
 
 
 class Distill:
