@@ -118,6 +118,8 @@ def sp_recipe(folder: Path, model: Path, **distributed) -> Path:
         (["distributed.backend=fsdp1"], "not fsdp1: set distributed.backend: fsdp2"),
         (["distributed.backend=deepspeed", "distributed.zero_stage=2"], "not deepspeed ZeRO-2"),
         (["distributed.num_processes=3"], "distributed.sequence_parallel 2 must divide the 3 processes"),
+        (["distributed.num_processes=1", "distributed.num_machines=2", "distributed.main_process_ip=10.0.0.1"],
+         "must divide the 1 processes of each machine"),
         (["training.objective=kto", "data.format=unpaired"], "training.objective kto is not split yet"),
         (["model.attn_implementation=flash_attention_2"], "cannot serve model.attn_implementation flash_attention_2"),
     ],

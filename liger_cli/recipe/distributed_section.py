@@ -133,3 +133,9 @@ class DistributedSection(_Section):
                 f"distributed.sequence_parallel {n} must divide the {world} processes (the rest is data "
                 f"parallel): use a divisor of {world}, or more processes"
             )
+        if self.num_machines > 1 and self.num_processes % n:
+            raise ValueError(
+                f"distributed.sequence_parallel {n} must divide the {self.num_processes} processes of each "
+                "machine (a group spanning machines would exchange every layer's attention over the network): "
+                f"use a divisor of {self.num_processes}"
+            )
