@@ -84,8 +84,8 @@ class Settings:
     split_mask: bool = False
     """The split builds the whole sequence's boolean mask (packing, or eager attention): S x S a row."""
     split_limit: int = 1
-    """The largest split (2, 4 or 8) this run could take (SFT, fsdp2 or ZeRO-3, attention the split
-    serves, heads divisible): what a suggestion may offer; 1 when none."""
+    """The largest split (2, 4 or 8) this run could take (`plan.sequence_parallel.split_limit`): what a
+    suggestion may offer; 1 when none."""
 
 
 @dataclass(frozen=True)

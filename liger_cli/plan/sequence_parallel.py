@@ -33,15 +33,16 @@ def split_note(config, degree: int, world: int) -> str:
 
 
 def split_limit(recipe) -> int:
-    """The largest split (2, 4 or 8) the run could take, for the memory plan's suggestions: SFT or a
-    preference objective under fsdp2 or ZeRO-3, attention the split serves, heads divisible; 1 when it cannot take one."""
+    """The largest split (2, 4 or 8) the run could take, for the memory plan's suggestions: an objective
+    the split serves under fsdp2 or ZeRO-3, attention it serves, heads divisible; 1 when none."""
     from liger_cli.model import read_config
+    from liger_cli.recipe.distributed_section import SPLIT_OBJECTIVES
 
     d, attention = recipe.distributed, recipe.model.attn_implementation
     sharded = d.backend == "fsdp2" or (d.backend == "deepspeed" and d.zero_stage == 3)
     if (
         not sharded
-        or recipe.training.objective not in ("sft", "dpo", "simpo", "orpo", "grpo", "distill")
+        or recipe.training.objective not in SPLIT_OBJECTIVES
         or attention not in (None, "sdpa", "eager")
     ):
         return 1

@@ -8,6 +8,9 @@ from pydantic import Field, field_validator, model_validator
 
 from liger_cli.recipe.base import RelPath, _Section
 
+SPLIT_OBJECTIVES = ("sft", "dpo", "simpo", "orpo", "grpo", "distill")
+"""The objectives whose training pass `distributed.sequence_parallel` splits (liger_cli/run/sequence_parallel.py)."""
+
 
 def split_names(value: Any) -> Any:
     """`"A, B,"` and `["A", " B "]` both mean ["A", "B"]: trimmed, empties dropped, de-duplicated."""
@@ -69,8 +72,8 @@ class DistributedSection(_Section):
         return "off" if value is False else value
 
     sequence_parallel: int = Field(1, ge=1)
-    """Split every sequence of a micro-batch across this many processes (fsdp2 or ZeRO-3; SFT):
-    each holds 1/N of its tokens' activations; attention exchanges heads for tokens (all-to-all)."""
+    """Split every sequence of a micro-batch across this many processes (fsdp2 or ZeRO-3; sft, dpo, simpo,
+    orpo, grpo, distill): each holds 1/N of its tokens' activations; attention exchanges heads for tokens."""
 
     @property
     def shards_weights(self) -> bool:

@@ -21,7 +21,7 @@ from pydantic import (
 
 from liger_cli.recipe.base import RelPath, _Section
 from liger_cli.recipe.data_section import DataSection
-from liger_cli.recipe.distributed_section import DistributedSection, split_names
+from liger_cli.recipe.distributed_section import SPLIT_OBJECTIVES, DistributedSection, split_names
 from liger_cli.recipe.kto_section import KtoSection, check_kto
 from liger_cli.recipe.preference_section import PreferenceSection
 from liger_cli.recipe.reward_section import RewardSection, check_reward
@@ -314,14 +314,14 @@ class Recipe(_Section):
         return self
 
     def _sequence_parallel_needs(self) -> None:
-        """What the split serves so far (docs/distributed.md#long-sequences): SFT's training pass, with
-        attention that takes a mask over the whole sequence (eager or sdpa)."""
+        """What the split serves so far (docs/distributed.md#long-sequences): the training passes of
+        SPLIT_OBJECTIVES, with attention that takes a mask over the whole sequence (eager or sdpa)."""
         n, objective = self.distributed.sequence_parallel, self.training.objective
         attention = self.model.attn_implementation
-        if objective not in ("sft", "dpo", "simpo", "orpo", "grpo", "distill"):
+        if objective not in SPLIT_OBJECTIVES:
             raise ValueError(
-                f"distributed.sequence_parallel {n}: training.objective {objective} is not split yet (sft, dpo, "
-                "simpo, orpo, grpo and distill are); remove distributed.sequence_parallel"
+                f"distributed.sequence_parallel {n}: training.objective {objective} is not split yet "
+                f"({', '.join(SPLIT_OBJECTIVES)} are); remove distributed.sequence_parallel"
             )
         if attention not in (None, "eager", "sdpa"):
             raise ValueError(
