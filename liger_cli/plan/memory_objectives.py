@@ -61,8 +61,8 @@ def teacher_bytes(recipe: Recipe, device: str) -> int:
     meta = meta_model_from_config(recipe.distill.teacher, dtype=dtype)
     four_bit = four_bit_sizes(meta, double=True) if teacher_quantize(recipe) != "none" else {}
     # (bytes that shard, bytes whole on each process): a 4-bit weight's packed bytes, then its statistics
-    split = lambda p: four_bit[id(p)] if id(p) in four_bit else (p.numel() * dtype.itemsize, 0)  # noqa: E731
-    weights = sum(sum(split(p)) for p in meta.parameters())
+    parts = lambda p: four_bit[id(p)] if id(p) in four_bit else (p.numel() * dtype.itemsize, 0)  # noqa: E731
+    weights = sum(sum(parts(p)) for p in meta.parameters())
     d = recipe.distributed
     world = d.num_processes * d.num_machines
     if d.frozen_model_kept_whole() is None:  # its decoder layers sharded (Backend.shard_frozen)
@@ -70,7 +70,7 @@ def teacher_bytes(recipe: Recipe, device: str) -> int:
 
         classes = set(resolve_wrap_classes(meta, None, env={}).classes)
         layers = [
-            sum(split(p)[0] for p in m.parameters()) for m in meta.modules() if type(m).__name__ in classes
+            sum(parts(p)[0] for p in m.parameters()) for m in meta.modules() if type(m).__name__ in classes
         ]
         weights += -sum(layers) + -(-sum(layers) // world) + max(layers, default=0)  # + one gathered layer
     width = meta.config.get_text_config().hidden_size

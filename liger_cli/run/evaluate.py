@@ -6,6 +6,7 @@ import torch
 
 from liger_cli.data.batches import even_shares, with_filler
 from liger_cli.model.objectives import Objective
+from liger_cli.run.inputs import data_shares
 from liger_cli.run.sequence_parallel import attending
 
 
@@ -27,9 +28,8 @@ def evaluate(
     device = accelerator.device
     names: list[str] = []
     sums: torch.Tensor | None = None  # loss, then each metric, then the unit count (float64)
-    n = split.degree if split else 1
     shares = even_shares(
-        len(dataset), micro_batch_size, accelerator.num_processes // n, accelerator.process_index // n
+        len(dataset), micro_batch_size, *data_shares(accelerator, split.degree if split else 1)
     )
 
     def batches():  # collated as they are used, never all at once

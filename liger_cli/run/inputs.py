@@ -51,7 +51,7 @@ def load_data(recipe: Recipe, accelerator) -> Data:
     train_ds, eval_ds = build_once(
         accelerator, recipe.data, lambda: build_datasets(recipe.data, tokenizer, t.seed, tools)
     )
-    world, rank = data_shares(recipe, accelerator)
+    world, rank = data_shares(accelerator, recipe.distributed.sequence_parallel)
     batches = StepBatches(len(train_ds), t.micro_batch_size, world, rank, t.seed)
     if batches.micro_per_epoch == 0:
         raise UserError(
@@ -65,11 +65,11 @@ def load_data(recipe: Recipe, accelerator) -> Data:
     return Data(tokenizer, train_ds, eval_ds, batches, steps, filler)
 
 
-def data_shares(recipe: Recipe, accelerator) -> tuple[int, int]:
+def data_shares(accelerator, split_degree: int = 1) -> tuple[int, int]:
     """(how many micro-batches a step's global batch is cut into per accumulation step, which one this
-    process takes): one per process, or one per sequence-parallel group, whose processes share it."""
-    n = recipe.distributed.sequence_parallel
-    return accelerator.num_processes // n, accelerator.process_index // n
+    process takes): one per process, or one per sequence-parallel group of `split_degree` processes,
+    which share it (training, evaluation and the reference table alike)."""
+    return accelerator.num_processes // split_degree, accelerator.process_index // split_degree
 
 
 def load_stream(recipe: Recipe, accelerator, tokenizer) -> Data:
@@ -84,7 +84,7 @@ def load_stream(recipe: Recipe, accelerator, tokenizer) -> Data:
         return encoded_stream(source.path, fmt, d, tokenizer, position)
 
     next(iter(open_stream(StreamBatches.START)), None)
-    world, rank = data_shares(recipe, accelerator)
+    world, rank = data_shares(accelerator, recipe.distributed.sequence_parallel)
     return Data(
         tokenizer, None, eval_ds, StreamBatches(open_stream, t.micro_batch_size, world, rank), t.max_steps
     )

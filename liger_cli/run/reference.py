@@ -30,6 +30,7 @@ from liger_cli.data.batches import even_shares
 from liger_cli.errors import UserError
 from liger_cli.model.objectives import PAIR_INDEX
 from liger_cli.run.fingerprint import short_json
+from liger_cli.run.inputs import data_shares
 from liger_cli.run.sequence_parallel import attending
 
 if TYPE_CHECKING:
@@ -102,9 +103,8 @@ def _compute(
     """[len(dataset), k] float32 on every rank: `values(model, batch)` of every example, in order (under
     sequence parallelism every process of a group finds its batch's values: its first one keeps them)."""
     table = None
-    n = split.degree if split else 1
     for rows, real in even_shares(
-        len(dataset), micro, accelerator.num_processes // n, accelerator.process_index // n
+        len(dataset), micro, *data_shares(accelerator, split.degree if split else 1)
     ):
         batch = collate([dataset[k] for k in rows], pad_id)
         batch = split.shard(batch) if split else batch
