@@ -54,7 +54,10 @@ def test_the_slurm_script_runs_the_same_commands_on_each_node(tmp_path: Path) ->
     # liger records the argv it was given.
     shims, capture = tmp_path / "bin", tmp_path / "argv.jsonl"
     shims.mkdir()
-    (shims / "scontrol").write_text("#!/bin/bash\nprintf 'node-a\\nnode-b\\n'\n")
+    # (a third name after a pause: a reader that stops at the first line would make it die of SIGPIPE)
+    (shims / "scontrol").write_text(
+        "#!/bin/bash\nprintf 'node-a\\nnode-b\\n'\nsleep 0.2\nprintf 'node-c\\n'\n"
+    )
     (shims / "srun").write_text(
         '#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\n'
         'for id in 0 1; do SLURM_NODEID=$id "$@" || exit $?; done\n'

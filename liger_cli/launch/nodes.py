@@ -104,8 +104,10 @@ def slurm_script(recipe: Path, overrides: list[str], job: Job, backend: str) -> 
 #SBATCH --exclusive
 set -euo pipefail
 export PYTHONUNBUFFERED=1  # each node's output as it comes, in the job's log
-# The first node holds the rendezvous (accelerate's main process).
-MAIN_IP=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+# The first node holds the rendezvous (accelerate's main process). No pipe into head: under pipefail
+# scontrol would die of SIGPIPE when head exits first, and the job with it.
+NODES=$(scontrol show hostnames "$SLURM_JOB_NODELIST")
+MAIN_IP=${{NODES%%$'\\n'*}}
 srun --nodes={job.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 \\
   bash -c 'exec "$@" --set distributed.machine_rank="$SLURM_NODEID"' liger-node \\
     {command}
