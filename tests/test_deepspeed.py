@@ -25,10 +25,10 @@ from test_distributed import (  # noqa: F401 - `assets` is a fixture
     dpo_full,
     free_port,
     kto_full,
-    liger_train,
     losses,
     reward,
     run_here,
+    two_machines,
     write_recipe,
 )
 
@@ -186,21 +186,47 @@ def test_zero3_loads_the_saved_weights_partitioned(runs) -> None:
 
 
 @pytest.mark.timeout(900)
-def test_zero3_checkpoint_resumes_in_a_new_launch(runs, tmp_path: Path) -> None:
-    """`liger train` (accelerate launch, 2 processes) resumes the step-2 checkpoint: same steps 3-4."""
+def test_zero3_checkpoint_resumes_on_two_machines(runs, tmp_path: Path) -> None:
+    """The one launch's step-2 checkpoint resumed by two "machines" of one process each (`liger launch
+    --nodes 2 --procs 1`'s commands, tests/test_distributed.py `two_machines`; the same world size, so
+    each rank reads its own ZeRO shard): the same steps 3-4 and adapter, written once."""
     checkpoint = runs["lora"] / "checkpoints" / "step-2"
     assert (checkpoint / "trainer_state.json").is_file()
     resumed = tmp_path / "resumed"
-    proc = liger_train(runs["lora-recipe"], "--set", f"output.dir={resumed}", "--set", f"output.resume={checkpoint}",
-                       "--set", f"distributed.main_process_port={free_port()}", timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    assert "launching 2 processes" in proc.stderr
-    assert f"resumed from {checkpoint} at step 2" in proc.stdout
+    machines = two_machines(
+        runs["lora-recipe"], free_port(), f"output.dir={resumed}", f"output.resume={checkpoint}"
+    )
+    for machine in machines:
+        assert machine.returncode == 0, machine.stdout[-5000:]
+    assert f"resumed from {checkpoint} at step 2" in machines[0].stdout
+    assert "2 on 2 machine(s)" in (resumed / "plan.txt").read_text()
     assert losses(resumed) == pytest.approx(losses(runs["lora"])[2:], abs=1e-5, rel=0)
+    assert len((resumed / "metrics.jsonl").read_text().splitlines()) == len(losses(resumed)) + (
+        len((runs["lora"] / "metrics.jsonl").read_text().splitlines()) - len(losses(runs["lora"]))
+    )  # each step's line once, not once per machine
     got, want = (load_file(p / "final" / "adapter_model.safetensors") for p in (resumed, runs["lora"]))
     assert got.keys() == want.keys() and got
     for key in want:
         torch.testing.assert_close(got[key], want[key], atol=1e-6, rtol=1e-5, msg=key)
+
+
+@pytest.mark.timeout(900)
+def test_zero3_on_two_machines_of_two_processes_trains_what_one_process_trains(
+    runs, assets, tmp_path
+) -> None:  # noqa: F811
+    """ZeRO-3 on two "machines" of two processes each (world 4, micro-batch 2, no accumulation: the
+    1-process run's global batch of 8): the same losses and adapter as 1 process; the checkpoint holds
+    each of the 4 ranks' ZeRO shards once, the output is written once."""
+    out = tmp_path / "zero3-2x2"
+    recipe = write_recipe(assets, out, "deepspeed", training__grad_accum=1, output__save_every=4)
+    for machine in two_machines(recipe, free_port(), procs=2):
+        assert machine.returncode == 0, machine.stdout[-5000:]
+    assert_same_run(out, runs["ref-lora"])
+    plan = (out / "plan.txt").read_text()
+    assert "4 on 2 machine(s)" in plan and "(deepspeed)" in plan, plan
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-4"]
+    shards = sorted(p.name for p in (out / "checkpoints" / "step-4").rglob("*optim_states.pt"))
+    assert len(shards) == 4 and len(set(shards)) == 4, shards
 
 
 def test_deepspeed_backend_without_deepspeed_is_a_user_error(assets, tmp_path: Path, monkeypatch) -> None:  # noqa: F811

@@ -446,8 +446,10 @@ def test_a_run_with_fewer_processes_than_the_recipe_stops(assets, tmp_path: Path
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
-def two_machines(recipe: Path, port: int, *overrides: str) -> list[subprocess.CompletedProcess]:
-    """`liger launch --nodes 2 --procs 1 --main-ip 127.0.0.1`'s two commands, run at once as two `liger
+def two_machines(
+    recipe: Path, port: int, *overrides: str, procs: int = 1
+) -> list[subprocess.CompletedProcess]:
+    """`liger launch --nodes 2 --procs PROCS --main-ip 127.0.0.1`'s two commands, run at once as two `liger
     train` processes: each is one machine, its own `accelerate launch --num_machines 2 --machine_rank R`.
     Machine 0 is forked warm (warm_python, from one other thread), machine 1 a plain process writing to a
     file (a full pipe would stop it, and machine 0 would wait on it)."""
@@ -455,7 +457,7 @@ def two_machines(recipe: Path, port: int, *overrides: str) -> list[subprocess.Co
 
     from liger_cli.launch.nodes import Job
 
-    job = Job(2, 1, "127.0.0.1", port)
+    job = Job(2, procs, "127.0.0.1", port)
     argv = [["-m", "liger_cli", *job.command(recipe, list(overrides), rank)[1:]] for rank in (0, 1)]
     first: list = []
     thread = threading.Thread(
