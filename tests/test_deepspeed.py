@@ -4,8 +4,9 @@ DeepSpeed must train the model a 1-process run trains: LoRA and full fine-tuning
 (ZeRO-3, with and without activation checkpointing; ZeRO-2) give the same per-step losses and
 gradient norms (fp32, 1e-5) and the same saved weights, and so do DPO and KTO with full fine-tuning
 and a reward model (`objectives`); under ZeRO-3 the model is loaded
-partitioned through transformers' own path with the saved weights; a checkpoint resumes in a fresh
-`liger train` launch. The training cases and the loading check are this file's part of the suite's
+partitioned through transformers' own path with the saved weights; a checkpoint resumes on two
+"machines" (`liger launch --nodes 2`'s commands), and two machines of two processes each train what 1
+process trains. The training cases and the loading check are this file's part of the suite's
 ONE 2-process launch (tests/conftest.py `two_process_launch`: each launch costs 15-20 s of imports);
 no DeepSpeed op may be compiled at run time.
 """
