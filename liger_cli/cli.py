@@ -164,13 +164,9 @@ def inspect_wrap(
         str | None,
         typer.Argument(help="A local model folder, a config.json, or package.module:factory."),
     ] = None,
-    recipe: Annotated[
-        Path | None, typer.Option(help="Inspect exactly the plan this recipe would run.")
-    ] = None,
+    recipe: Annotated[Path | None, typer.Option(help="Inspect the plan this recipe would run.")] = None,
     backend: Annotated[str | None, typer.Option(help="fsdp1 or fsdp2 (default fsdp2).")] = None,
-    wrap_classes: Annotated[
-        str | None, typer.Option(help="Comma-separated classes to wrap, e.g. A,B.")
-    ] = None,
+    wrap_classes: Annotated[str | None, typer.Option(help="Classes to wrap, e.g. A,B.")] = None,
     num_processes: Annotated[int | None, typer.Option(help="Ranks to shard over (per-rank sizes).")] = None,
     lora: Annotated[
         bool, typer.Option(help="Apply the default LoRA to show frozen/trainable mixing.")
@@ -189,19 +185,10 @@ def inspect_wrap(
     check_arguments(model, recipe, backend, num_processes, device_memory, vision)
     memory_bytes = _device_memory(device_memory) if recipe is not None else None
     raise typer.Exit(
-        inspect_command(
-            model=model,
-            recipe=recipe,
-            backend=backend,
-            wrap_classes=wrap_classes,
-            num_processes=num_processes,
-            lora=lora,
-            json_out=json_out,
-            strict=strict,
-            device_memory=memory_bytes,
-            vision=vision,
-        )
-    )
+        inspect_command(model=model, recipe=recipe, backend=backend, wrap_classes=wrap_classes,
+                        num_processes=num_processes, lora=lora, json_out=json_out, strict=strict,
+                        device_memory=memory_bytes, vision=vision)
+    )  # fmt: skip
 
 
 @command("distributed.md")
@@ -212,12 +199,8 @@ def launch(
     main_ip: Annotated[
         str | None, typer.Option(help="The first machine's address (default: the recipe's main_process_ip).")
     ] = None,
-    port: Annotated[
-        int | None, typer.Option(help="The rendezvous port (default: the recipe's, 29500).")
-    ] = None,
-    slurm: Annotated[
-        bool, typer.Option(help="Write a Slurm batch script instead (srun, one task a node).")
-    ] = False,
+    port: Annotated[int | None, typer.Option(help="The rendezvous port (default: the recipe's).")] = None,
+    slurm: Annotated[bool, typer.Option(help="Write a Slurm batch script instead (srun).")] = False,
     out: Annotated[Path | None, typer.Option(help="Write to this file instead of printing.")] = None,
     set_: SetOption = None,
 ) -> None:
@@ -239,6 +222,23 @@ def merge(
 
     for line in merge_adapter(run_dir, out_dir, overwrite=overwrite).report(out_dir):
         typer.echo(line)
+
+
+@command("export.md")
+def export(
+    source: Annotated[Path, typer.Argument(help="A finished run's folder (adapter merged) or a model folder.")],
+    out: Annotated[Path, typer.Option("--out", help="The folder to write: the .gguf, export.json, Modelfile.")],
+    format_: Annotated[str, typer.Option("--format", help="The format: gguf.")] = "gguf",
+    quant: Annotated[str, typer.Option(help="f32, f16, bf16, or llama.cpp's q8_0, q6_k, q4_k_m, ...")] = "f16",
+    ollama: Annotated[bool, typer.Option("--ollama", help="Also write an Ollama Modelfile.")] = False,
+    min_agreement: Annotated[float | None, typer.Option(help="Quantized: the least greedy agreement.")] = None,
+    overwrite: Annotated[bool, typer.Option(help="Replace an OUT that liger export wrote.")] = False,
+) -> None:  # fmt: skip
+    """Write a GGUF for llama.cpp / Ollama, verified in llama.cpp against liger's engine before it counts."""
+    from liger_cli.export.command import export_gguf
+
+    done = export_gguf(source, out, format_, quant, ollama, overwrite, min_agreement, say=typer.echo)
+    typer.echo("\n".join([*done.lines, f"exported to {done.path}"]))
 
 
 @command("bench.md")

@@ -14,6 +14,21 @@ if [ ! -x .venv/bin/python ]; then
 fi
 PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
 
+# llama.cpp's Python binding (`liger export`, the export extra) has no wheel on PyPI: it compiles
+# llama.cpp (about 4 minutes on 2 cores), so its wheel is built in the background while the rest
+# installs, with only the library (no llava, tools, server, tests or examples), then installed below.
+llama_build=""
+mkdir -p .venv/llama-wheel
+if ! .venv/bin/python -c "import llama_cpp" 2>/dev/null; then
+  echo "setup: building llama-cpp-python (llama.cpp from source) in the background"
+  rm -f .venv/llama-wheel/*.whl
+  CMAKE_ARGS="-DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF" \
+    CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+    "${PIP[@]}" wheel --no-deps -c constraints.txt -w .venv/llama-wheel llama-cpp-python \
+    >.venv/llama-build.log 2>&1 &
+  llama_build=$!
+fi
+
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   if [ -n "${LIGER_TORCH:-}" ]; then
     spec=$LIGER_TORCH
@@ -36,6 +51,15 @@ if ! .venv/bin/python -c "import deepspeed" 2>/dev/null; then
   "${PIP[@]}" install setuptools wheel
   DS_BUILD_OPS=0 "${PIP[@]}" install --no-build-isolation "deepspeed>=0.16,<0.20"
 fi
+if [ -n "$llama_build" ]; then
+  if ! wait "$llama_build"; then
+    tail -n 30 .venv/llama-build.log
+    echo "setup: building llama-cpp-python failed (whole log: .venv/llama-build.log)" >&2
+    exit 1
+  fi
+fi
+echo "setup: installing the export extra (gguf, llama-cpp-python)"
+"${PIP[@]}" install -c constraints.txt --find-links .venv/llama-wheel -e ".[test,bench,export]"
 # liger's own modules compiled once, here: every liger process (each rank of a launch too) then loads
 # them compiled, also where PYTHONDONTWRITEBYTECODE keeps Python from writing the cache itself.
 .venv/bin/python -m compileall -q liger_cli kernels tests >/dev/null

@@ -212,9 +212,7 @@ def test_zero3_checkpoint_resumes_on_two_machines(runs, tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(900)
-def test_zero3_on_two_machines_of_two_processes_trains_what_one_process_trains(
-    runs, assets, tmp_path
-) -> None:  # noqa: F811
+def test_zero3_on_two_machines_of_two_processes_each(runs, assets, tmp_path) -> None:  # noqa: F811
     """ZeRO-3 on two "machines" of two processes each (world 4, micro-batch 2, no accumulation: the
     1-process run's global batch of 8): the same losses and adapter as 1 process; the checkpoint holds
     each of the 4 ranks' ZeRO shards once, the output is written once."""

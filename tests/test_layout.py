@@ -74,7 +74,14 @@ def test_the_cycle_check_sees_type_checking_and_relative_imports(tmp_path) -> No
 # (errors, process-wide state) is below every stage; the commands sit on top of all of them.
 BASE = ("liger_cli", "liger_cli.errors", "liger_cli.process_state", "liger_cli.rewards")
 STAGES = ("recipe", "data", "model", "generate", "twin", "plan", "launch", "run")
-COMMANDS = ("liger_cli.cli", "liger_cli.__main__", "liger_cli.merge", "liger_cli.bench", "liger_cli.serve")
+COMMANDS = (
+    "liger_cli.cli",
+    "liger_cli.__main__",
+    "liger_cli.merge",
+    "liger_cli.bench",
+    "liger_cli.serve",
+    "liger_cli.export",
+)
 
 
 def _level(module: str) -> int:

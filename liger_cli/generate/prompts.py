@@ -58,18 +58,23 @@ class Renderer:
             return [{"role": "user", "content": _text(row)}]
         return None
 
-    def ids(self, row: dict) -> list[int]:
-        """The prompt's token ids, exactly as training put them before the answer."""
+    def text(self, row: dict) -> str:
+        """The prompt's text before tokenization: the rendered conversation, or the instruction prompt or
+        text that the tokenizer's own prefix (bos) goes before."""
         messages = self.messages(row)
         if messages is not None:
             if self.system is not None and messages[0]["role"] != "system":
                 messages = [{"role": "system", "content": self.system}, *messages]
-            text = render(self.tokenizer, messages, generation_prompt=True)
-            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            return render(self.tokenizer, messages, generation_prompt=True)
         if self.format == "instruction":
-            instruction, inputs = _instruction(row)
-            return _encode_with_prefix(self.tokenizer, render_instruction_prompt(instruction, inputs))[0]
-        return _encode_with_prefix(self.tokenizer, _text(row))[0]
+            return render_instruction_prompt(*_instruction(row))
+        return _text(row)
+
+    def ids(self, row: dict) -> list[int]:
+        """The prompt's token ids, exactly as training put them before the answer."""
+        if self.messages(row) is not None:  # the template writes its own special tokens
+            return list(self.tokenizer(self.text(row), add_special_tokens=False)["input_ids"])
+        return _encode_with_prefix(self.tokenizer, self.text(row))[0]
 
     def encode(self, row: dict, base: Path | None) -> tuple[list[int], bytes]:
         """The prompt's token ids and its image tensors (b"" for a row without images). A user turn's

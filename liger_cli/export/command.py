@@ -1,0 +1,237 @@
+"""`liger export RUN_OR_MODEL --format gguf --out DIR`: merge, write, quantize, verify, then publish.
+
+Everything is checked before any work (the family, the tokenizer, the type, OUT), everything is written
+into a temporary folder beside OUT, and that folder is renamed to OUT only after llama.cpp has
+reproduced liger's tokens, template, next-token log-probs and stops on the file (`verify.py`). A failed
+check leaves nothing that looks finished.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from liger_cli.errors import UserError
+from liger_cli.export import runtime
+from liger_cli.export.gguf_file import PLAIN_TYPES
+from liger_cli.export.verify import FLOORS, PROBE_CONVERSATIONS, PROBE_TEXTS, Report
+
+EXPORT_MARKER = ".liger-export"
+EVAL_PROMPTS = 4
+DTYPE_TYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+
+
+@dataclass
+class Exported:
+    path: Path
+    report: Report
+    lines: list[str] = field(default_factory=list)
+
+
+def check_request(
+    source: Path, out: Path, fmt: str, quant: str, min_agreement: float | None, overwrite: bool
+):
+    """The command line's choices, the source and OUT, checked before anything is loaded."""
+    from liger_cli.generate.load import find_target
+
+    if fmt != "gguf":
+        raise UserError(f"--format {fmt}: liger exports gguf (llama.cpp, Ollama, LM Studio)")
+    if quant not in (*PLAIN_TYPES, *runtime.QUANT_TYPES):
+        raise UserError(f"--quant {quant}: choose one of {', '.join([*PLAIN_TYPES, *runtime.QUANT_TYPES])}")
+    if min_agreement is not None and not 0 < min_agreement <= 1:
+        raise UserError(f"--min-agreement {min_agreement}: a share in (0, 1]")
+    target = find_target(source)
+    if target.kind not in ("final", "model"):
+        raise UserError(
+            f"{source} is a{'n' if target.kind == 'adapter' else ''} {target.kind}: give a finished run's folder "
+            "(its adapter is merged as liger merge merges it) or a full model folder"
+        )
+    out = out.expanduser().resolve()
+    for precious in (target.weights, target.base, target.recipe and target.weights.parent):
+        if precious and Path(precious).resolve().is_relative_to(out):
+            raise UserError(f"--out {out} is the source or a parent of it: choose another folder")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file: choose a folder")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise UserError(f"--out {out} is not empty: choose another folder or pass --overwrite")
+        if not (out / EXPORT_MARKER).is_file():
+            raise UserError(f"refusing to replace {out}: liger export did not write it (no {EXPORT_MARKER})")
+    runtime.binding()  # installed, or a UserError saying how
+    return target, out
+
+
+def export_gguf(source: Path, out: Path, fmt: str = "gguf", quant: str = "f16", ollama: bool = False,
+                overwrite: bool = False, min_agreement: float | None = None, max_new_tokens: int = 32,
+                say=print) -> Exported:  # fmt: skip
+    from liger_cli import process_state
+    from liger_cli.export.families import family_of
+    from liger_cli.generate.load import config_source
+    from liger_cli.model import read_config
+
+    process_state.hide_deepspeed_unless_used("none")  # nothing here trains
+    process_state.quiet_libraries()
+    quant = quant.lower()
+    target, out = check_request(Path(source), Path(out), fmt, quant, min_agreement, overwrite)
+    adapter = (target.weights / "adapter_config.json").is_file()
+    family = family_of(read_config(config_source(target)))  # before any work
+    name = (target.weights.parent if target.kind == "final" else target.weights).name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        (tmp / EXPORT_MARKER).touch()
+        folder = target.weights
+        if adapter:
+            from liger_cli.merge import merge_adapter
+
+            folder = tmp / "merged"
+            for line in merge_adapter(target.weights.parent, folder).report(folder)[1:]:
+                say(line)
+        exported = write_and_verify(target, folder, tmp, name, family, quant, min_agreement, max_new_tokens,
+                                    ollama, say)  # fmt: skip
+        shutil.rmtree(tmp / "merged", ignore_errors=True)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    exported.path = out / exported.path.name
+    return exported
+
+
+def write_and_verify(target, folder: Path, tmp: Path, name: str, family, quant: str, min_agreement, max_new_tokens,
+                     ollama: bool, say) -> Exported:  # fmt: skip
+    """The GGUF (and Modelfile, and export.json) in `tmp`, verified; raises ExportMismatch if not."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from liger_cli.export.gguf_file import write_gguf
+    from liger_cli.export.ollama import write_modelfile
+    from liger_cli.generate.load import chat_or_text
+    from liger_cli.generate.prompts import Renderer, turn_end_ids
+    from liger_cli.model import read_config
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    # The reference computes in f32 whatever the saved dtype: llama.cpp computes in f32 on a CPU.
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    config = model.config
+    saved = str(getattr(read_config(folder), "dtype", None) or "float32").removeprefix("torch.")
+    generation = GenerationConfig.from_model_config(config)
+    if (folder / "generation_config.json").is_file():
+        generation = GenerationConfig.from_pretrained(folder)
+    fmt = chat_or_text(target, tokenizer)
+    stops = Renderer(tokenizer, fmt).stop_ids(generation)
+    turn_end = next(iter(t for t in turn_end_ids(tokenizer) if t in stops), None)
+    plain = quant if quant in PLAIN_TYPES else DTYPE_TYPES.get(saved, "f32")
+    path = tmp / f"{name}-{plain}.gguf"
+    pre = write_gguf(folder, path, config, family, tokenizer, plain, turn_end, name)
+    if quant not in PLAIN_TYPES:
+        quantized = tmp / f"{name}-{quant}.gguf"
+        runtime.quantize(path, quantized, quant)
+        path.unlink()
+        path = quantized
+    report = verify_file(path, model, tokenizer, target, fmt, stops, quant, min_agreement, max_new_tokens)
+    lines = [f"wrote {path.name} ({path.stat().st_size / 2**20:.1f} MiB, {quant}, llama.cpp architecture "
+             f"{family.arch.lower()}, pre-tokenizer {pre})", *summary(report, quant)]  # fmt: skip
+    if ollama:
+        texts = [tokenizer.convert_ids_to_tokens(t) for t in stops]
+        write_modelfile(tmp, path.name, texts, generation, fmt)
+        lines.append("wrote Modelfile: ollama create NAME -f Modelfile (in the output folder)")
+    record = {"file": path.name, "quant": quant, "family": config.model_type, "arch": family.arch.lower(),
+              "pre_tokenizer": pre, "format": fmt, "bytes": path.stat().st_size, **report.as_dict()}  # fmt: skip
+    (tmp / "export.json").write_text(json.dumps(record, indent=2) + "\n")
+    return Exported(path, report, lines)
+
+
+def verify_file(path: Path, model, tokenizer, target, fmt: str, stops: list[int], quant: str, min_agreement,
+                max_new_tokens: int) -> Report:  # fmt: skip
+    from liger_cli.data.chat import render
+    from liger_cli.export import verify
+    from liger_cli.generate.engine import Sampling, generate
+    from liger_cli.generate.prompts import PromptError, Renderer
+
+    renderer = Renderer(tokenizer, fmt)
+    conversations = []
+    if getattr(tokenizer, "chat_template", None):
+        for messages in PROBE_CONVERSATIONS:
+            try:
+                render(tokenizer, messages, generation_prompt=True)
+                conversations.append(messages)
+            except ValueError:
+                continue  # a template that refuses, e.g., a system turn
+    rows = eval_rows(target)
+    if fmt in ("chat", "preference"):
+        rows += [{"messages": m} for m in conversations]
+    else:
+        rows += [{"prompt": t} for t in PROBE_TEXTS[:2]]
+    texts, prompts = list(PROBE_TEXTS), []
+    for row in rows:
+        try:
+            texts.append(renderer.text(row))
+            prompts.append(renderer.ids(row))
+        except (PromptError, ValueError):
+            continue
+    texts += [render(tokenizer, m, generation_prompt=True) for m in conversations]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
+    done = generate(
+        model, prompts, Sampling(max_new_tokens=max_new_tokens, temperature=0), stop_ids=stops, pad_id=pad
+    )
+    context = max(len(p) for p in prompts) + max_new_tokens + 1
+    report = Report()
+    loaded = runtime.Runtime(path, context)
+    try:
+        verify.check_tokens(loaded, tokenizer, texts, report)
+        verify.check_template(loaded, tokenizer, conversations, report)
+        verify.check_stops(loaded, stops, report)
+        floor = min_agreement if min_agreement is not None else FLOORS.get(quant)
+        verify.check_next_tokens(loaded, model, tokenizer, prompts, [c.ids for c in done], quant,
+                                 None if quant in PLAIN_TYPES else floor, report)  # fmt: skip
+    finally:
+        loaded.close()
+    return report
+
+
+def eval_rows(target) -> list[dict]:
+    """The first EVAL_PROMPTS rows of the run's local eval JSONL files, answers dropped."""
+    if target.recipe is None:
+        return []
+    rows: list[dict] = []
+    for entry in target.recipe.data.entries("eval"):
+        path = Path(str(entry.path))
+        if path.suffix != ".jsonl" or not path.is_file():
+            continue
+        for line in path.read_text().splitlines():
+            if len(rows) == EVAL_PROMPTS:
+                return rows
+            row = json.loads(line) if line.strip() else None
+            if isinstance(row, dict):
+                rows.append(without_answer(row))
+    return rows
+
+
+def without_answer(row: dict) -> dict:
+    messages = row.get("messages")
+    if isinstance(messages, list):
+        while messages and isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant":
+            messages = messages[:-1]
+        return {"messages": messages}
+    return {k: v for k, v in row.items() if k not in ("output", "chosen", "rejected", "completion", "label")}
+
+
+def summary(report: Report, quant: str) -> list[str]:
+    tokens = f"tokens: llama.cpp tokenizes {report.texts} probe and prompt texts as the tokenizer does"
+    template = "template: the file's chat template renders the run's text" if report.template == "same" else (
+        "template: none (the run's tokenizer has none)")  # fmt: skip
+    if quant in PLAIN_TYPES:
+        ties = f"; {report.near_ties} near tie(s) within the bound" if report.near_ties else ""
+        logits = (f"next tokens: at {report.positions} completion positions of {report.prompts} prompts llama.cpp's "
+                  f"greedy token is liger's engine's{ties}; largest log-prob difference "
+                  f"{report.largest_logprob_diff:.2g}")  # fmt: skip
+    else:
+        logits = (f"next tokens ({quant}): greedy agreement {report.agreement:.1%} over {report.positions} positions "
+                  f"of {report.prompts} prompts, mean KL {report.mean_kl:.3g} to the unquantized model")  # fmt: skip
+    stops = f"stops: llama.cpp ends generation on exactly liger's stop ids {list(report.stops)}"
+    return ["verified in llama.cpp:", f"  {tokens}", f"  {template}", f"  {logits}", f"  {stops}"]

@@ -1,0 +1,129 @@
+"""What a Hugging Face family becomes in llama.cpp, for the families liger has verified; every other
+model is refused by name before any work.
+
+A family here is a llama.cpp architecture (its tensor-name map comes from the `gguf` package) plus the
+few things the conversion must do to its weights. Llama's q/k projections are permuted: Hugging Face
+rotates the two halves of each head (`rotate_half`), llama.cpp's LLAMA architecture rotates adjacent
+pairs, so each head's rows are reordered from [x0..x(d/2-1), y0..] to [x0, y0, x1, y1, ...]. Qwen2 and
+Qwen3 run llama.cpp's NEOX rotation, which is Hugging Face's: no permutation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from liger_cli.errors import UserError
+
+
+@dataclass(frozen=True)
+class Family:
+    arch: str
+    """The gguf package's MODEL_ARCH member name."""
+    permute_qk: bool = False
+
+
+FAMILIES = {
+    "llama": Family("LLAMA", permute_qk=True),
+    "mistral": Family("LLAMA", permute_qk=True),
+    "qwen2": Family("QWEN2"),
+    "qwen3": Family("QWEN3"),
+}
+
+
+def family_of(config) -> Family:
+    """The model's Family, or a UserError naming why it cannot be exported (nothing is written)."""
+    from liger_cli.model.vision import is_vision_language
+
+    kind = config.model_type
+    if is_vision_language(config):
+        raise UserError(
+            f"{kind} is a vision-language model: liger does not write llama.cpp's projector file (mmproj) "
+            "yet, and a GGUF of its language model alone would not answer image prompts; export is for "
+            f"text models ({', '.join(FAMILIES)})"
+        )
+    if kind not in FAMILIES:
+        raise UserError(
+            f"model_type {kind}: liger has not verified its llama.cpp conversion; it exports "
+            f"{', '.join(FAMILIES)} (convert it with llama.cpp's convert_hf_to_gguf.py and check it yourself)"
+        )
+    rope = rope_settings(config)
+    if rope.get("rope_type", "default") not in ("default", None, "llama3"):
+        raise UserError(
+            f"rope_type {rope['rope_type']} ({kind}): liger exports the default rotary embedding and Llama 3's "
+            "scaled one only so far (other scalings are not verified against llama.cpp)"
+        )
+    window = getattr(config, "sliding_window", None)
+    uses_window = getattr(config, "use_sliding_window", window is not None)
+    if uses_window and window is not None and window < config.max_position_embeddings:
+        raise UserError(
+            f"sliding_window {window} ({kind}): llama.cpp's {FAMILIES[kind].arch.lower()} architecture attends "
+            "to the whole context; export refused rather than answer differently past the window"
+        )
+    return FAMILIES[kind]
+
+
+def rope_settings(config) -> dict:
+    """rope_theta and rope_type, wherever this transformers version keeps them."""
+    found = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    found.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return found
+
+
+def head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def write_hyperparameters(writer, config) -> None:
+    """The architecture's metadata llama.cpp reads to build the graph."""
+    dim = head_dim(config)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    writer.add_key_length(dim)
+    writer.add_value_length(dim)
+    writer.add_rope_dimension_count(dim)
+    writer.add_rope_freq_base(float(rope_settings(config)["rope_theta"]))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+
+
+def permute_qk(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """Each head's rows from halves (Hugging Face's rotate_half) to interleaved pairs (llama.cpp's LLAMA)."""
+    rows = weight.shape[0]
+    return (
+        weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    )
+
+
+def convert_tensor(name: str, tensor: torch.Tensor, family: Family, config) -> torch.Tensor:
+    """A weight as llama.cpp's architecture expects it (q/k permuted where the rotation differs)."""
+    if family.permute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
+        return permute_qk(tensor, config.num_attention_heads)
+    if family.permute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
+        return permute_qk(tensor, getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    return tensor
+
+
+def rope_frequency_factors(config) -> torch.Tensor | None:
+    """Llama 3's scaled RoPE as llama.cpp takes it: a `rope_freqs` tensor that divides each rotation
+    frequency. Hugging Face scales inv_freq by 1/factor past the low-frequency wavelength, not at all
+    under the high-frequency one, and by 1 / ((1 - s) / factor + s) between (s: where the wavelength
+    lies, 0 to 1); llama.cpp divides by the inverse of that scale. None for an unscaled RoPE."""
+    rope = rope_settings(config)
+    if rope.get("rope_type") != "llama3":
+        return None
+    dim = head_dim(config)
+    inv_freq = 1.0 / (float(rope["rope_theta"]) ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    factor, low, high = float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
+    old_context = float(rope["original_max_position_embeddings"])
+    wavelength = 2 * math.pi / inv_freq
+    smooth = ((old_context / wavelength - low) / (high - low)).clamp(0, 1)
+    scale = torch.where(wavelength > old_context / low, 1 / factor, (1 - smooth) / factor + smooth)
+    scale = torch.where(wavelength < old_context / high, torch.ones_like(scale), scale)
+    return (1 / scale).to(torch.float32)

@@ -1,0 +1,108 @@
+"""llama.cpp itself, through its Python binding (`llama-cpp-python`, the `export` extra): its quantizer,
+and a loaded GGUF that tokenizes, evaluates and says which tokens end a generation.
+
+Nothing here reimplements llama.cpp: every figure `verify.py` checks comes out of its library.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from liger_cli.errors import RunFailed, UserError
+
+QUANT_TYPES = {  # --quant -> llama.cpp's LLAMA_FTYPE_MOSTLY_* name
+    "q8_0": "Q8_0", "q6_k": "Q6_K", "q5_k_m": "Q5_K_M", "q5_k_s": "Q5_K_S", "q5_0": "Q5_0",
+    "q4_k_m": "Q4_K_M", "q4_k_s": "Q4_K_S", "q4_0": "Q4_0", "q3_k_m": "Q3_K_M", "q2_k": "Q2_K",
+}  # fmt: skip
+
+
+def binding():
+    """The llama_cpp module, or a UserError saying how to install it."""
+    try:
+        import llama_cpp
+    except ImportError:
+        raise UserError(
+            "liger export needs llama.cpp's Python binding: pip install 'liger-cli[export]' "
+            "(bash scripts/setup.sh installs it)"
+        ) from None
+    import logging
+
+    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # llama.cpp's own log: errors only
+    return llama_cpp
+
+
+def threads() -> int:
+    return max(1, min(8, len(os.sched_getaffinity(0))))
+
+
+def quantize(source: Path, target: Path, quant: str) -> None:
+    """llama.cpp's own quantizer (`llama_model_quantize`): `source` (f32/f16/bf16) to `target`."""
+    llama_cpp = binding()
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{QUANT_TYPES[quant]}")
+    params.nthread = threads()
+    if llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params)) != 0:
+        raise RunFailed(f"llama.cpp's quantizer failed to write {quant} from {source.name}")
+
+
+F32 = 0  # GGML_TYPE_F32
+
+
+class Runtime:
+    """One GGUF loaded in llama.cpp, every position's logits kept (`logits_all`). The KV cache is kept in
+    f32 (llama.cpp's default is f16): the check is of the file, not of a runtime's cache precision."""
+
+    def __init__(self, path: Path, context: int):
+        llama_cpp = binding()
+        from llama_cpp import Llama
+
+        self.llama_cpp = llama_cpp
+        try:
+            self.model = Llama(
+                model_path=str(path), n_ctx=context, n_batch=context, n_ubatch=context, n_threads=threads(),
+                n_threads_batch=threads(), logits_all=True, verbose=False, seed=0, type_k=F32, type_v=F32,
+            )  # fmt: skip
+        except ValueError as err:
+            raise RunFailed(f"llama.cpp cannot load the written {path.name}: {err}") from None
+        self.metadata = dict(self.model.metadata)
+
+    def tokenize(self, text: str, add_bos: bool) -> list[int]:
+        """llama.cpp's ids for `text`, special tokens parsed (as a chat runtime feeds a rendered prompt)."""
+        return list(self.model.tokenize(text.encode("utf-8"), add_bos=add_bos, special=True))
+
+    def log_probs(self, ids: list[int]) -> torch.Tensor:
+        """log softmax of llama.cpp's logits at every position of `ids` (float64), evaluated from scratch."""
+        self.model.reset()
+        self.model.eval(ids)
+        logits = torch.from_numpy(np.array(self.model.scores[: len(ids)], dtype=np.float64))
+        return torch.log_softmax(logits, dim=-1)
+
+    def end_of_generation(self) -> set[int]:
+        """Every id llama.cpp ends a generation on (its EOG set: eos, eot, eom and what it infers)."""
+        vocab = self.llama_cpp.llama_model_get_vocab(self.model.model)
+        return {t for t in range(self.model.n_vocab()) if self.llama_cpp.llama_vocab_is_eog(vocab, t)}
+
+    def piece(self, token: int) -> str:
+        return self.model.detokenize([token], special=True).decode("utf-8", errors="replace")
+
+    def close(self) -> None:
+        self.model.close()
+
+    def generate_greedy(self, prompt: list[int], max_new_tokens: int) -> list[int]:
+        """llama.cpp's own greedy loop: argmax of its logits, stopping on its EOG set (for timing)."""
+        eog = self.end_of_generation()
+        self.model.reset()
+        self.model.eval(prompt)
+        out: list[int] = []
+        for _ in range(max_new_tokens):
+            token = int(np.argmax(self.model.scores[self.model.n_tokens - 1]))
+            out.append(token)
+            if token in eog:
+                break
+            self.model.eval([token])
+        return out

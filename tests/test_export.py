@@ -1,0 +1,340 @@
+"""`liger export --format gguf`: the file llama.cpp loads computes what liger computes, or nothing is left.
+
+Round trips through llama.cpp itself (llama-cpp-python, installed by scripts/setup.sh): the quickstart's
+and the DPO recipe's outputs (short runs of the shipped recipes), and a tiny model of every family liger
+exports, each with another of the pre-tokenizers llama.cpp is told about. Each is checked by the
+export's own verification (tokens, template, next-token log-probs, stops) and, independently here, by
+llama.cpp's own greedy generation against liger's engine on the run as it was trained (adapter on its
+base, not the merge). Broken exports (a special token dropped, the template replaced, the wrong
+pre-tokenizer, q/k not permuted) are caught and leave nothing; refusals are one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import warm_python
+from conftest import QUICKSTART_MODEL, save_tiny_model
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = REPO / "recipes"
+
+
+def liger(*args, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    return warm_python.run(["-m", "liger_cli", *map(str, args)], timeout=timeout, env={**_env(), **env})
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "FSDP_"))}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """Short runs of the shipped quickstart (SFT, LoRA) and DPO recipes."""
+    root = tmp_path_factory.mktemp("export-runs")
+    found = {}
+    for name, steps in (("quickstart", 40), ("dpo", 16)):
+        out = root / name
+        proc = liger("train", RECIPES / f"{name}.yaml", "--set", f"training.max_steps={steps}",
+                     "--set", f"output.dir={out}", "--set", "training.eval_every=1000")  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        found[name] = out
+    return found
+
+
+def export(source: Path, out: Path, **kwargs):
+    from liger_cli.export.command import export_gguf
+
+    return export_gguf(source, out, say=lambda line: None, **kwargs)
+
+
+def llama_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    from liger_cli.export.runtime import Runtime
+
+    loaded = Runtime(path, max(len(p) for p in prompts) + max_new_tokens + 1)
+    try:
+        return [loaded.generate_greedy(p, max_new_tokens) for p in prompts]
+    finally:
+        loaded.close()
+
+
+def engine_greedy(source: Path, max_new_tokens: int) -> tuple[list[list[int]], list[list[int]]]:
+    """The run as trained (its adapter on its base, liger's loader): the eval prompts' ids and greedy ids."""
+    from liger_cli.export.command import eval_rows
+    from liger_cli.generate.engine import Sampling, generate
+    from liger_cli.generate.load import chat_or_text, find_target, load_model, load_tokenizer_for
+    from liger_cli.generate.prompts import Renderer
+
+    target = find_target(source)
+    tokenizer = load_tokenizer_for(target)
+    model = load_model(target)
+    renderer = Renderer(tokenizer, chat_or_text(target, tokenizer))
+    prompts = [renderer.ids(row) for row in eval_rows(target)]
+    done = generate(model, prompts, Sampling(max_new_tokens=max_new_tokens, temperature=0),
+                    stop_ids=renderer.stop_ids(model.generation_config), pad_id=tokenizer.pad_token_id)  # fmt: skip
+    return prompts, [c.ids for c in done]
+
+
+def test_the_quickstart_run_exports_verified_with_a_modelfile(runs, tmp_path: Path) -> None:
+    """`liger export RUN --quant f16 --ollama`: exit 0, the report, the files; the GGUF's own greedy
+    generation (llama.cpp's loop) equals liger's engine on the run's adapter, the metadata is the run's."""
+    import gguf
+
+    out = tmp_path / "gguf"
+    proc = liger("export", runs["quickstart"], "--out", out, "--quant", "f16", "--ollama")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "merge verified" in proc.stdout and "verified in llama.cpp:" in proc.stdout
+    assert "pre-tokenizer smollm" in proc.stdout, proc.stdout
+    assert sorted(p.name for p in out.iterdir()) == [
+        ".liger-export",
+        "Modelfile",
+        "export.json",
+        "quickstart-f16.gguf",
+    ]
+    assert not list(tmp_path.glob(".gguf.tmp-*"))
+    record = json.loads((out / "export.json").read_text())
+    assert record["template"] == "same" and record["texts"] >= 10 and record["prompts"] == 6
+    assert record["positions"] > 10 and 0 < record["largest_logprob_diff"] <= 0.05 and record["stops"] == [2]
+    modelfile = (out / "Modelfile").read_text()
+    assert modelfile.startswith('FROM ./quickstart-f16.gguf\nPARAMETER stop "</s>"\n')
+    assert 'TEMPLATE """### Instruction:\n{{ .Prompt }}\n\n### Response:\n"""' in modelfile
+    assert "# Exact for one-line prompts" in modelfile
+
+    reader = gguf.GGUFReader(out / "quickstart-f16.gguf")
+    fields = {name: reader.fields[name].contents() for name in
+              ("general.architecture", "tokenizer.ggml.pre", "tokenizer.ggml.eos_token_id", "tokenizer.chat_template",
+               "tokenizer.ggml.add_bos_token")}  # fmt: skip
+    template = (runs["quickstart"] / "final" / "chat_template.jinja").read_text()
+    assert fields == {"general.architecture": "llama", "tokenizer.ggml.pre": "smollm", "tokenizer.ggml.eos_token_id": 2,
+                      "tokenizer.chat_template": template, "tokenizer.ggml.add_bos_token": True}  # fmt: skip
+    prompts, want = engine_greedy(runs["quickstart"], 24)
+    assert len(prompts) == 4 and all(w[-1] == 2 for w in want)  # every answer ends at eos
+    assert llama_greedy(out / "quickstart-f16.gguf", prompts, 24) == want
+
+
+def test_the_dpo_run_exports_quantized_by_llama_cpp(runs, tmp_path: Path) -> None:
+    """q8_0 from llama.cpp's own quantizer: the file's type says so, agreement and KL are reported and
+    the greedy generation still equals the run's."""
+    import gguf
+
+    done = export(runs["dpo"], tmp_path / "q8", quant="q8_0")
+    assert done.path.name == "dpo-q8_0.gguf" and done.path.parent == tmp_path / "q8"
+    assert (
+        int(gguf.GGUFReader(done.path).fields["general.file_type"].contents())
+        == gguf.LlamaFileType.MOSTLY_Q8_0
+    )
+    assert done.report.agreement >= 0.9 and 0 < done.report.mean_kl < 0.05, done.report
+    assert any("greedy agreement" in line for line in done.lines)
+    prompts, want = engine_greedy(runs["dpo"], 16)
+    assert llama_greedy(done.path, prompts, 16) == want
+
+
+PROBE_CORPUS = [
+    "Hello world! It's 2026; we'll see what they've done.", "numbers 1234567, 3.14159 and -42, 123 456 789",
+    "DON'T shout; I'M here, you'LL see", "  two leading spaces,\ttabs\tand\n\nblank lines  \n",
+    "Ünïcödé: naïve café, 日本語のテキスト, emoji 🙂👍", "What is 12 + 30? The answer is 42.",
+    "Name a colour. Blue. Another one, please?",
+]  # fmt: skip
+
+
+def trained_tokenizer(pre: str, folder: Path):
+    """A byte-level BPE trained here with llama.cpp pre-tokenizer `pre`'s splitting, so that its merges
+    depend on it (Llama 3's regex learns "123", SmolLM's digits never merge), with the quickstart's
+    special tokens, BOS prefix and chat template; saved in `folder`."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from liger_cli.export.gguf_tokenizer import LLAMA3_REGEX, QWEN2_REGEX
+
+    special = ["<unk>", "<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>"]
+    tokenizer = Tokenizer(models.BPE())
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.pre_tokenizer = {
+        "gpt-2": byte_level,
+        "smollm": pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level]),
+        "llama-bpe": pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(LLAMA3_REGEX), "isolated"),
+                                              pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]),
+        "qwen2": pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN2_REGEX), "isolated"),
+                                          pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]),
+    }[pre]  # fmt: skip
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=700, special_tokens=special, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    tokenizer.train_from_iterator(PROBE_CORPUS * 20, trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="<pad>", extra_special_tokens=special[4:])  # fmt: skip
+    fast.chat_template = AutoTokenizer.from_pretrained(QUICKSTART_MODEL).chat_template
+    fast.save_pretrained(folder)
+    return fast
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip
+CASES = {  # name -> (model_type, config overrides, the pre-tokenizer its tokenizer is trained with, llama.cpp's arch)
+    "llama": ("llama", {}, "llama-bpe", "llama"),
+    "llama-3-rope": ("llama", {"rope_parameters": LLAMA3_ROPE}, "llama-bpe", "llama"),  # rope_freqs tensor
+    "mistral": ("mistral", {"sliding_window": None}, "gpt-2", "llama"),
+    "qwen2": ("qwen2", {"tie_word_embeddings": True}, "qwen2", "qwen2"),  # attention biases, tied output
+    "qwen3": ("qwen3", {"head_dim": 24}, "smollm", "qwen3"),  # q/k norms, head_dim != hidden / heads
+}
+
+
+def tiny_family_model(path: Path, case: str) -> Path:
+    model_type, overrides, pre, _ = CASES[case]
+    # Larger weights than the tests' usual tiny models: peaked next-token distributions, so that a
+    # wrong rotation or mapping changes the greedy tokens rather than hiding in a near-uniform tie.
+    save_tiny_model(path, model_type, seed=1, hidden_size=64, intermediate_size=128, initializer_range=0.25,
+                    vocab_size=len(trained_tokenizer(pre, path / "tokenizer")), **overrides)  # fmt: skip
+    trained_tokenizer(pre, path)  # replaces the quickstart tokenizer saved beside the model
+    return path
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_tiny_model_of_each_family_round_trips(case: str, tmp_path: Path) -> None:
+    import gguf
+
+    from liger_cli.export.families import FAMILIES
+
+    assert {c[0] for c in CASES.values()} == set(FAMILIES)  # every family liger exports is walked here
+    model_type, overrides, pre, arch = CASES[case]
+    done = export(tiny_family_model(tmp_path / case, case), tmp_path / "out", quant="f32")
+    report = done.report
+    assert report.largest_logprob_diff < 1e-4 and report.positions >= 20 and report.near_ties == 0, report
+    reader = gguf.GGUFReader(done.path)
+    assert reader.fields["general.architecture"].contents() == arch
+    assert reader.fields["tokenizer.ggml.pre"].contents() == pre
+    names = {t.name for t in reader.tensors}
+    assert ("output.weight" in names) != bool(overrides.get("tie_word_embeddings"))
+    assert ("rope_freqs.weight" in names) == ("rope_parameters" in overrides)
+
+
+def drop_special_token(monkeypatch) -> None:
+    from liger_cli.export import gguf_tokenizer
+
+    real = gguf_tokenizer.token_table
+
+    def dropped(tokenizer, vocab_size):
+        texts, types = real(tokenizer, vocab_size)
+        types[tokenizer.convert_tokens_to_ids("<|user|>")] = 1  # NORMAL: no longer parsed whole
+        return texts, types
+
+    monkeypatch.setattr(gguf_tokenizer, "token_table", dropped)
+
+
+def replace_template(monkeypatch) -> None:
+    from liger_cli.export import gguf_tokenizer
+
+    real = gguf_tokenizer.write_tokenizer
+
+    def replaced(writer, folder, tokenizer, vocab_size, turn_end):
+        kept, tokenizer.chat_template = (
+            tokenizer.chat_template,
+            "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+        )
+        try:
+            return real(writer, folder, tokenizer, vocab_size, turn_end)
+        finally:
+            tokenizer.chat_template = kept
+
+    monkeypatch.setattr(gguf_tokenizer, "write_tokenizer", replaced)
+
+
+def wrong_pre_tokenizer(monkeypatch) -> None:
+    from liger_cli.export import gguf_tokenizer
+
+    monkeypatch.setattr(
+        gguf_tokenizer, "pre_tokenizer_name", lambda data: "smollm"
+    )  # llama-bpe's digits differ
+
+
+def no_permutation(monkeypatch) -> None:
+    from liger_cli.export import families
+
+    monkeypatch.setitem(families.FAMILIES, "llama", families.Family("LLAMA", permute_qk=False))
+
+
+def no_rope_frequencies(monkeypatch) -> None:
+    from liger_cli.export import gguf_file
+
+    monkeypatch.setattr(gguf_file, "rope_frequency_factors", lambda config: None)
+
+
+BROKEN = {  # what is broken -> (how, the model, the error's words)
+    "special token dropped": (drop_special_token, "llama", r"at token \d+ the tokenizer has 5 '<\|user\|>', llama.cpp"),
+    "template replaced": (replace_template, "llama", "the file's chat template differs from the run's at character 1"),
+    "wrong pre-tokenizer": (wrong_pre_tokenizer, "llama", r"at token 6 the tokenizer has \d+ '202', llama.cpp \d+ '2'$"),
+    "q/k not permuted": (no_permutation, "llama", "greedy tokens differ on prompt 0 at completion token"),
+    "Llama 3 RoPE factors left out": (no_rope_frequencies, "llama-3-rope", "greedy tokens differ on prompt 0"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("broken", BROKEN)
+def test_a_broken_export_is_caught_and_leaves_nothing(broken: str, tmp_path: Path, monkeypatch) -> None:
+    from liger_cli.export.verify import ExportMismatch
+
+    how, case, words = BROKEN[broken]
+    model = tiny_family_model(tmp_path / case, case)
+    how(monkeypatch)
+    with pytest.raises(ExportMismatch, match=words):
+        export(model, tmp_path / "out", quant="f32")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [case]  # no OUT, no temporary folder
+
+
+def refused_sources(tmp_path: Path, runs: dict[str, Path]) -> dict[str, tuple[Path, dict, str]]:
+    """name -> (source, export keywords, the error's words)."""
+    from vlm_models import save_tiny_vlm
+
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
+    spm = save_tiny_model(tmp_path / "spm", "llama")
+    data = json.loads((spm / "tokenizer.json").read_text())
+    data["model"]["byte_fallback"] = True
+    (spm / "tokenizer.json").write_text(json.dumps(data))
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("mine")
+    quickstart = runs["quickstart"]
+    return {
+        "vision-language": (save_tiny_vlm(tmp_path / "vlm"), {}, "is a vision-language model"),
+        "family": (save_tiny_model(tmp_path / "gemma", "gemma"), {}, "model_type gemma: liger has not verified"),
+        "scaled rope": (save_tiny_model(tmp_path / "rope", "llama", rope_parameters=yarn), {}, "rope_type yarn"),
+        "sliding window": (save_tiny_model(tmp_path / "swa", "mistral", sliding_window=16), {}, "sliding_window 16"),
+        "tokenizer": (spm, {}, "byte-level BPE tokenizers"),
+        "quant": (quickstart, {"quant": "q9"}, "--quant q9: choose one of"),
+        "format": (quickstart, {"fmt": "onnx"}, "--format onnx"),
+        "out not empty": (quickstart, {"out": busy}, "is not empty"),
+        "out holds the source": (quickstart, {"out": quickstart.parent}, "is the source or a parent"),
+        "checkpoint": (quickstart / "checkpoints" / "step-40", {}, "give a finished run's folder"),
+    }  # fmt: skip
+
+
+def test_refusals_name_the_problem_and_write_nothing(runs, tmp_path: Path, monkeypatch) -> None:
+    from liger_cli.errors import UserError
+
+    for name, (source, kwargs, words) in refused_sources(tmp_path / "sources", runs).items():
+        out = kwargs.pop("out", tmp_path / "out")
+        before = sorted(out.parent.iterdir())
+        with pytest.raises(UserError, match=words.replace("(", r"\(")):
+            export(source, out, **kwargs)
+        assert sorted(out.parent.iterdir()) == before, name
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # the binding not installed
+    with pytest.raises(UserError, match=r"pip install 'liger-cli\[export\]'"):
+        export(runs["quickstart"], tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_refusal_on_the_command_line_is_one_line_and_exit_2(runs, tmp_path: Path) -> None:
+    proc = liger("export", runs["quickstart"], "--out", tmp_path / "out", "--quant", "q9")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: --quant q9: choose one of f32, f16, bf16, q8_0, q6_k, q5_k_m, q5_k_s, q5_0, q4_k_m, q4_k_s, q4_0, "
+        "q3_k_m, q2_k"
+    ]
+    assert not (tmp_path / "out").exists()
