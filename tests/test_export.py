@@ -144,7 +144,13 @@ PROBE_CORPUS = [
 ]  # fmt: skip
 
 
-def trained_tokenizer(pre: str, folder: Path):
+TURN_END_TEMPLATE = (  # a chat template that ends each turn with <|turn_end|>, a token llama.cpp knows no name of
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|turn_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def trained_tokenizer(pre: str, folder: Path, chat_template: str | None = None):
     """A byte-level BPE trained here with llama.cpp pre-tokenizer `pre`'s splitting, so that its merges
     depend on it (Llama 3's regex learns "123", SmolLM's digits never merge), with the quickstart's
     special tokens, BOS prefix and chat template; saved in `folder`."""
@@ -153,7 +159,7 @@ def trained_tokenizer(pre: str, folder: Path):
 
     from liger_cli.export.gguf_tokenizer import LLAMA3_REGEX, QWEN2_REGEX
 
-    special = ["<unk>", "<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>"]
+    special = ["<unk>", "<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>", "<|turn_end|>"]
     tokenizer = Tokenizer(models.BPE())
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.pre_tokenizer = {
@@ -171,7 +177,7 @@ def trained_tokenizer(pre: str, folder: Path):
     tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
                                    pad_token="<pad>", extra_special_tokens=special[4:])  # fmt: skip
-    fast.chat_template = AutoTokenizer.from_pretrained(QUICKSTART_MODEL).chat_template
+    fast.chat_template = chat_template or AutoTokenizer.from_pretrained(QUICKSTART_MODEL).chat_template
     fast.save_pretrained(folder)
     return fast
 
@@ -288,6 +294,36 @@ def test_a_broken_export_is_caught_and_leaves_nothing(broken: str, tmp_path: Pat
     assert sorted(p.name for p in tmp_path.iterdir()) == [case]  # no OUT, no temporary folder
 
 
+def test_a_chat_models_end_of_turn_is_where_llama_cpp_stops(tmp_path: Path, monkeypatch) -> None:
+    """A chat template ending turns with <|turn_end|> (not eos, and no name llama.cpp infers an end from):
+    liger's engine stops there, so the file carries it as the eot token and llama.cpp stops there too.
+    Left out, the stops check names it; and a generation config with a stop id GGUF cannot carry fails."""
+    import gguf
+
+    from liger_cli.export import gguf_tokenizer
+    from liger_cli.export.verify import ExportMismatch
+
+    model = tiny_family_model(tmp_path / "chat", "qwen2")
+    tokenizer = trained_tokenizer("qwen2", model, chat_template=TURN_END_TEMPLATE)
+    turn_end = tokenizer.convert_tokens_to_ids("<|turn_end|>")
+    done = export(model, tmp_path / "out", quant="f32")
+    assert done.report.stops == (2, turn_end) and done.report.template == "same"
+    assert gguf.GGUFReader(done.path).fields["tokenizer.ggml.eot_token_id"].contents() == turn_end
+
+    real = gguf_tokenizer.write_tokenizer
+    monkeypatch.setattr(gguf_tokenizer, "write_tokenizer", lambda w, f, t, v, turn: real(w, f, t, v, None))
+    with pytest.raises(
+        ExportMismatch, match=rf"liger's engine stops at {turn_end} '<\|turn_end\|>'; llama.cpp does not"
+    ):
+        export(model, tmp_path / "out2", quant="f32")
+    monkeypatch.undo()
+    config = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": [2, 5]}))
+    with pytest.raises(ExportMismatch, match=r"liger's engine stops at 5 '<\|user\|>'; llama.cpp does not"):
+        export(model, tmp_path / "out3", quant="f32")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chat", "out"]
+
+
 def refused_sources(tmp_path: Path, runs: dict[str, Path]) -> dict[str, tuple[Path, dict, str]]:
     """name -> (source, export keywords, the error's words)."""
     from vlm_models import save_tiny_vlm
@@ -302,7 +338,8 @@ def refused_sources(tmp_path: Path, runs: dict[str, Path]) -> dict[str, tuple[Pa
     (busy / "notes.txt").write_text("mine")
     quickstart = runs["quickstart"]
     return {
-        "vision-language": (save_tiny_vlm(tmp_path / "vlm"), {}, "is a vision-language model"),
+        "LLaVA": (save_tiny_vlm(tmp_path / "llava"), {}, "llava is a vision-language model: llama.cpp's own converter"),
+        "Qwen2-VL": (save_tiny_vlm(tmp_path / "qwen2-vl", "qwen2_vl"), {}, "qwen2_vl is a vision-language model: liger"),
         "family": (save_tiny_model(tmp_path / "gemma", "gemma"), {}, "model_type gemma: liger has not verified"),
         "scaled rope": (save_tiny_model(tmp_path / "rope", "llama", rope_parameters=yarn), {}, "rope_type yarn"),
         "sliding window": (save_tiny_model(tmp_path / "swa", "mistral", sliding_window=16), {}, "sliding_window 16"),
@@ -324,6 +361,14 @@ def test_refusals_name_the_problem_and_write_nothing(runs, tmp_path: Path, monke
         with pytest.raises(UserError, match=words.replace("(", r"\(")):
             export(source, out, **kwargs)
         assert sorted(out.parent.iterdir()) == before, name
+    first = export(runs["quickstart"], tmp_path / "again", quant="f32")  # --overwrite: only what export wrote
+    again = export(runs["quickstart"], tmp_path / "again", quant="q8_0", overwrite=True)
+    assert sorted(p.name for p in (tmp_path / "again").iterdir()) == [
+        ".liger-export",
+        "export.json",
+        again.path.name,
+    ]
+    assert not first.path.exists()
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # the binding not installed
     with pytest.raises(UserError, match=r"pip install 'liger-cli\[export\]'"):
         export(runs["quickstart"], tmp_path / "out")

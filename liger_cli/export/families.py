@@ -39,10 +39,14 @@ def family_of(config) -> Family:
 
     kind = config.model_type
     if is_vision_language(config):
+        why = (
+            "llama.cpp's own converter does not take a Hugging Face LLaVA with a CLIP tower either"
+            if kind == "llava" and getattr(config.vision_config, "model_type", "") == "clip_vision_model"
+            else "liger does not write llama.cpp's projector file (mmproj) for it yet"
+        )
         raise UserError(
-            f"{kind} is a vision-language model: liger does not write llama.cpp's projector file (mmproj) "
-            "yet, and a GGUF of its language model alone would not answer image prompts; export is for "
-            f"text models ({', '.join(FAMILIES)})"
+            f"{kind} is a vision-language model: {why}, and a GGUF of its language model alone would not "
+            f"answer image prompts; export is for text models ({', '.join(FAMILIES)})"
         )
     if kind not in FAMILIES:
         raise UserError(
