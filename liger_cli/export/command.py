@@ -176,7 +176,9 @@ def verify_file(path: Path, model, tokenizer, target, fmt: str, stops: list[int]
             continue
     texts += [render(tokenizer, m, generation_prompt=True) for m in conversations]
     if not prompts:
-        raise UserError(f"no probe prompt renders in the run's format ({fmt}): its chat template refused them all")
+        raise UserError(
+            f"no probe prompt renders in the run's format ({fmt}): its chat template refused them all"
+        )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
     done = generate(
         model, prompts, Sampling(max_new_tokens=max_new_tokens, temperature=0), stop_ids=stops, pad_id=pad
