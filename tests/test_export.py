@@ -375,11 +375,23 @@ def test_refusals_name_the_problem_and_write_nothing(runs, tmp_path: Path, monke
     assert not (tmp_path / "out").exists()
 
 
-def test_a_refusal_on_the_command_line_is_one_line_and_exit_2(runs, tmp_path: Path) -> None:
+def test_the_command_line_says_one_line_and_exits_2_for_a_refusal_and_1_for_a_failed_check(
+    runs, tmp_path
+) -> None:
     proc = liger("export", runs["quickstart"], "--out", tmp_path / "out", "--quant", "q9")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: --quant q9: choose one of f32, f16, bf16, q8_0, q6_k, q5_k_m, q5_k_s, q5_0, q4_k_m, q4_k_s, q4_0, "
         "q3_k_m, q2_k"
     ]
-    assert not (tmp_path / "out").exists()
+    model = tiny_family_model(
+        tmp_path / "model", "llama"
+    )  # its generation config stops where GGUF cannot say
+    config = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": [2, 5]}))
+    proc = liger("export", model, "--out", tmp_path / "out", "--quant", "f32")
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        "error: liger's engine stops at 5 '<|user|>'; llama.cpp does not"
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no OUT, no temporary folder
