@@ -346,6 +346,7 @@ def refused_sources(tmp_path: Path, runs: dict[str, Path]) -> dict[str, tuple[Pa
         "tokenizer": (spm, {}, "byte-level BPE tokenizers"),
         "quant": (quickstart, {"quant": "q9"}, "--quant q9: choose one of"),
         "format": (quickstart, {"fmt": "onnx"}, "--format onnx"),
+        "agreement floor on a plain type": (quickstart, {"min_agreement": 0.5}, "--min-agreement goes with a quantized"),
         "out not empty": (quickstart, {"out": busy}, "is not empty"),
         "out holds the source": (quickstart, {"out": quickstart.parent}, "is the source or a parent"),
         "checkpoint": (quickstart / "checkpoints" / "step-40", {}, "give a finished run's folder"),

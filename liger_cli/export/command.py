@@ -43,6 +43,10 @@ def check_request(
         raise UserError(f"--quant {quant}: choose one of {', '.join([*PLAIN_TYPES, *runtime.QUANT_TYPES])}")
     if min_agreement is not None and not 0 < min_agreement <= 1:
         raise UserError(f"--min-agreement {min_agreement}: a share in (0, 1]")
+    if min_agreement is not None and quant in PLAIN_TYPES:
+        raise UserError(
+            f"--min-agreement goes with a quantized --quant; {quant} must match the model (bounds: docs/export.md)"
+        )
     target = find_target(source)
     if target.kind not in ("final", "model"):
         raise UserError(
@@ -69,6 +73,7 @@ def export_gguf(source: Path, out: Path, fmt: str = "gguf", quant: str = "f16", 
                 say=print) -> Exported:  # fmt: skip
     from liger_cli import process_state
     from liger_cli.export.families import family_of
+    from liger_cli.export.gguf_tokenizer import pre_tokenizer_name, read_tokenizer_json
     from liger_cli.generate.load import config_source
     from liger_cli.model import read_config
 
@@ -77,7 +82,8 @@ def export_gguf(source: Path, out: Path, fmt: str = "gguf", quant: str = "f16", 
     quant = quant.lower()
     target, out = check_request(Path(source), Path(out), fmt, quant, min_agreement, overwrite)
     adapter = (target.weights / "adapter_config.json").is_file()
-    family = family_of(read_config(config_source(target)))  # before any work
+    family = family_of(read_config(config_source(target)))  # before any work: the family, the tokenizer
+    pre_tokenizer_name(read_tokenizer_json(target.weights))
     name = (target.weights.parent if target.kind == "final" else target.weights).name
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -191,7 +197,7 @@ def verify_file(path: Path, model, tokenizer, target, fmt: str, stops: list[int]
         verify.check_template(loaded, tokenizer, conversations, report)
         verify.check_stops(loaded, stops, report)
         floor = min_agreement if min_agreement is not None else FLOORS.get(quant)
-        verify.check_next_tokens(loaded, model, tokenizer, prompts, [c.ids for c in done], quant,
+        verify.check_next_tokens(loaded, model, prompts, [c.ids for c in done], quant,
                                  None if quant in PLAIN_TYPES else floor, report)  # fmt: skip
     finally:
         loaded.close()

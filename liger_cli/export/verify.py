@@ -126,7 +126,7 @@ def reference_log_probs(model, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits.double(), dim=-1)
 
 
-def check_next_tokens(runtime, model, tokenizer, prompts, completions, out_type: str, floor: float | None,
+def check_next_tokens(runtime, model, prompts, completions, out_type: str, floor: float | None,
                       report: Report) -> None:  # fmt: skip
     """Teacher-forced on liger's greedy completions: at each completion position llama.cpp saw the
     prefix liger's engine saw, so equal argmaxes there mean equal free-running greedy generations."""
