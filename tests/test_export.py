@@ -120,8 +120,9 @@ def test_the_quickstart_run_exports_verified_with_a_modelfile(runs, tmp_path: Pa
 
 
 def test_the_dpo_run_exports_quantized_by_llama_cpp(runs, tmp_path: Path) -> None:
-    """q8_0 from llama.cpp's own quantizer: the file's type says so, agreement and KL are reported and
-    the greedy generation still equals the run's."""
+    """q8_0 from llama.cpp's own quantizer: the file and its 2-D weights are q8_0, the norms f32; greedy
+    agreement and KL are measured and reported (a quantized file's greedy tokens may differ where the
+    model's are close: the floor, not equality, is the check)."""
     import gguf
 
     done = export(runs["dpo"], tmp_path / "q8", quant="q8_0")
@@ -132,8 +133,9 @@ def test_the_dpo_run_exports_quantized_by_llama_cpp(runs, tmp_path: Path) -> Non
     )
     assert done.report.agreement >= 0.9 and 0 < done.report.mean_kl < 0.05, done.report
     assert any("greedy agreement" in line for line in done.lines)
-    prompts, want = engine_greedy(runs["dpo"], 16)
-    assert llama_greedy(done.path, prompts, 16) == want
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(done.path).tensors}
+    assert {types[n] for n in types if n.endswith("norm.weight")} == {"F32"}
+    assert {types[n] for n in types if not n.endswith("norm.weight")} == {"Q8_0"}, types
 
 
 PROBE_CORPUS = [
