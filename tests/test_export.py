@@ -37,13 +37,14 @@ def _env() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    """Short runs of the shipped quickstart (SFT, LoRA) and DPO recipes."""
+    """Short runs of the shipped quickstart (SFT, LoRA), of it in full fine-tuning, and of the DPO recipe."""
     root = tmp_path_factory.mktemp("export-runs")
     found = {}
-    for name, steps in (("quickstart", 40), ("dpo", 16)):
+    for name, recipe, steps, more in (("quickstart", "quickstart", 40, []), ("dpo", "dpo", 16, []),
+                                      ("full", "quickstart", 4, ["adapter.type=none", "training.lr=1e-4"])):  # fmt: skip
         out = root / name
-        proc = liger("train", RECIPES / f"{name}.yaml", "--set", f"training.max_steps={steps}",
-                     "--set", f"output.dir={out}", "--set", "training.eval_every=1000")  # fmt: skip
+        sets = [f"training.max_steps={steps}", f"output.dir={out}", "training.eval_every=1000", *more]
+        proc = liger("train", RECIPES / f"{recipe}.yaml", *[a for item in sets for a in ("--set", item)])
         assert proc.returncode == 0, proc.stderr[-3000:]
         found[name] = out
     return found
@@ -136,6 +137,14 @@ def test_the_dpo_run_exports_quantized_by_llama_cpp(runs, tmp_path: Path) -> Non
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(done.path).tensors}
     assert {types[n] for n in types if n.endswith("norm.weight")} == {"F32"}
     assert {types[n] for n in types if not n.endswith("norm.weight")} == {"Q8_0"}, types
+
+
+def test_a_full_fine_tuning_run_exports_its_final_model(runs, tmp_path: Path) -> None:
+    """No adapter to merge: final/ is written as it is, here in bf16 (its rounding within the bound)."""
+    done = export(runs["full"], tmp_path / "bf16", quant="bf16")
+    assert done.path.name == "full-bf16.gguf"
+    assert 0 < done.report.largest_logprob_diff <= 0.25 and done.report.positions > 10, done.report
+    assert not any("merge verified" in line for line in done.lines)
 
 
 PROBE_CORPUS = [
