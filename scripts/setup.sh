@@ -16,13 +16,13 @@ PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
 
 # llama.cpp's Python binding (`liger export`, the export extra) has no wheel on PyPI: it compiles
 # llama.cpp (about 4 minutes on 2 cores), so its wheel is built in the background while the rest
-# installs, with only the library (no llava, tools, server, tests or examples), then installed below.
+# installs, with only its libraries (llama, and mtmd for images: no tools, server, tests or examples).
 llama_build=""
 mkdir -p .venv/llama-wheel
 if ! .venv/bin/python -c "import llama_cpp" 2>/dev/null; then
   echo "setup: building llama-cpp-python (llama.cpp from source) in the background"
   rm -f .venv/llama-wheel/*.whl
-  CMAKE_ARGS="-DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF" \
+  CMAKE_ARGS="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF" \
     CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
     "${PIP[@]}" wheel --no-deps -c constraints.txt -w .venv/llama-wheel llama-cpp-python \
     >.venv/llama-build.log 2>&1 &

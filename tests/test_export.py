@@ -335,6 +335,68 @@ def test_a_chat_models_end_of_turn_is_where_llama_cpp_stops(tmp_path: Path, monk
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chat", "out"]
 
 
+def tiny_qwen2_vl(path: Path) -> Path:
+    """The tests' tiny Qwen2-VL (vlm_models.py) with larger weights (peaked distributions), Qwen2-VL's own
+    RMSNorm epsilon (1e-6) and its image processor saved beside it."""
+    import torch
+    from transformers import AutoModelForImageTextToText, Qwen2VLImageProcessorPil
+    from vlm_models import QWEN_TOKENS, _tokenizer, qwen2_vl_config
+
+    tokenizer = _tokenizer(QWEN_TOKENS)
+    config = qwen2_vl_config(tokenizer)
+    config.text_config.rms_norm_eps = 1e-6
+    for part in (config, config.text_config, config.vision_config):
+        part.initializer_range = 0.2
+    torch.manual_seed(1)
+    AutoModelForImageTextToText.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    Qwen2VLImageProcessorPil().save_pretrained(path)
+    return path
+
+
+def test_a_vision_language_model_exports_with_its_projector(tmp_path: Path, monkeypatch) -> None:
+    """Qwen2-VL: the language model (llama.cpp's qwen2vl, M-RoPE sections) and the projector file
+    (`mmproj`, qwen2vl_merger), checked together in llama.cpp: text as for every model, then a probe
+    picture's embeddings (llama.cpp's mtmd, its own preprocessing) against the model's tower and
+    projector, and the next token after a prompt holding it. A projector whose attention q and k are
+    swapped is caught at the embeddings."""
+    import gguf
+
+    from liger_cli.export import gguf_projector
+    from liger_cli.export.verify import ExportMismatch
+
+    model = tiny_qwen2_vl(tmp_path / "qwen2-vl")
+    done = export(model, tmp_path / "out", quant="f32")
+    names = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert names == [".liger-export", "export.json", "mmproj-qwen2-vl-f32.gguf", "qwen2-vl-f32.gguf"]
+    report = done.report
+    assert report.largest_logprob_diff < 1e-3 and report.near_ties == 0 and report.positions >= 20, report
+    assert report.image_embedding_diff < 2e-3 and report.image_logprob_diff < 1e-2, report
+    text = gguf.GGUFReader(done.path).fields
+    assert text["general.architecture"].contents() == "qwen2vl"
+    assert text["qwen2vl.rope.dimension_sections"].contents() == [2, 1, 1, 0]
+    projector = gguf.GGUFReader(tmp_path / "out" / "mmproj-qwen2-vl-f32.gguf")
+    assert projector.fields["clip.projector_type"].contents() == "qwen2vl_merger"
+    assert {t.name for t in projector.tensors} >= {"v.patch_embd.weight", "v.patch_embd.weight.1", "mm.0.weight",
+                                                   "mm.2.weight", "v.post_ln.weight", "v.blk.1.attn_q.weight"}  # fmt: skip
+
+    real = gguf_projector.vision_tensors
+
+    def swapped(name, tensor):  # the vision attention's q and k exchanged
+        for found, piece in real(name, tensor):
+            yield (
+                found.replace(".attn.q.", ".attn.x.")
+                .replace(".attn.k.", ".attn.q.")
+                .replace(".attn.x.", ".attn.k."),
+                piece,
+            )
+
+    monkeypatch.setattr(gguf_projector, "vision_tensors", swapped)
+    with pytest.raises(ExportMismatch, match="llama.cpp encodes the probe image differently"):
+        export(model, tmp_path / "broken", quant="f32")
+    assert not (tmp_path / "broken").exists()
+
+
 def refused_sources(tmp_path: Path, runs: dict[str, Path]) -> dict[str, tuple[Path, dict, str]]:
     """name -> (source, export keywords, the error's words)."""
     from vlm_models import save_tiny_vlm
@@ -350,7 +412,7 @@ def refused_sources(tmp_path: Path, runs: dict[str, Path]) -> dict[str, tuple[Pa
     quickstart = runs["quickstart"]
     return {
         "LLaVA": (save_tiny_vlm(tmp_path / "llava"), {}, "llava is a vision-language model: llama.cpp's own converter"),
-        "Qwen2-VL": (save_tiny_vlm(tmp_path / "qwen2-vl", "qwen2_vl"), {}, "qwen2_vl is a vision-language model: liger"),
+        "Qwen2-VL without its processor": (save_tiny_vlm(tmp_path / "qwen2-vl", "qwen2_vl"), {}, "has no preprocessor_config.json"),
         "family": (save_tiny_model(tmp_path / "gemma", "gemma"), {}, "model_type gemma: liger has not verified"),
         "scaled rope": (save_tiny_model(tmp_path / "rope", "llama", rope_parameters=yarn), {}, "rope_type yarn"),
         "sliding window": (save_tiny_model(tmp_path / "swa", "mistral", sliding_window=16), {}, "sliding_window 16"),

@@ -74,7 +74,7 @@ def export_gguf(source: Path, out: Path, fmt: str = "gguf", quant: str = "f16", 
     from liger_cli import process_state
     from liger_cli.export.families import family_of
     from liger_cli.export.gguf_tokenizer import pre_tokenizer_name, read_tokenizer_json
-    from liger_cli.generate.load import config_source
+    from liger_cli.generate.load import config_source, model_folder
     from liger_cli.model import read_config
 
     process_state.hide_deepspeed_unless_used("none")  # nothing here trains
@@ -84,6 +84,11 @@ def export_gguf(source: Path, out: Path, fmt: str = "gguf", quant: str = "f16", 
     adapter = (target.weights / "adapter_config.json").is_file()
     family = family_of(read_config(config_source(target)))  # before any work: the family, the tokenizer
     pre_tokenizer_name(read_tokenizer_json(target.weights))
+    if family.projector and not (model_folder(target) / "preprocessor_config.json").is_file():
+        raise UserError(
+            f"{model_folder(target)} has no preprocessor_config.json: a vision-language model's export needs "
+            "its processor (the image size, mean and std llama.cpp is told); save it with processor.save_pretrained"
+        )
     name = (target.weights.parent if target.kind == "final" else target.weights).name
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -112,17 +117,17 @@ def write_and_verify(target, folder: Path, tmp: Path, name: str, family, quant: 
                      ollama: bool, say) -> Exported:  # fmt: skip
     """The GGUF (and Modelfile, and export.json) in `tmp`, verified; raises ExportMismatch if not."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoTokenizer, GenerationConfig
 
     from liger_cli.export.gguf_file import write_gguf
     from liger_cli.export.ollama import write_modelfile
     from liger_cli.generate.load import chat_or_text
     from liger_cli.generate.prompts import Renderer, turn_end_ids
-    from liger_cli.model import read_config
+    from liger_cli.model import model_class, read_config
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     # The reference computes in f32 whatever the saved dtype: llama.cpp computes in f32 on a CPU.
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = model_class(read_config(folder)).from_pretrained(folder, dtype=torch.float32).eval()
     config = model.config
     saved = str(getattr(read_config(folder), "dtype", None) or "float32").removeprefix("torch.")
     generation = GenerationConfig.from_model_config(config)
@@ -139,9 +144,14 @@ def write_and_verify(target, folder: Path, tmp: Path, name: str, family, quant: 
         runtime.quantize(path, quantized, quant)
         path.unlink()
         path = quantized
-    report = verify_file(path, model, tokenizer, target, fmt, stops, quant, min_agreement, max_new_tokens)
+    projector = write_projector_file(folder, tmp, name, config, family, quant) if family.projector else None
+    report = verify_file(
+        path, model, tokenizer, target, fmt, stops, quant, min_agreement, max_new_tokens, projector
+    )
     lines = [f"wrote {path.name} ({path.stat().st_size / 2**20:.1f} MiB, {quant}, llama.cpp architecture "
              f"{family.arch.lower()}, pre-tokenizer {pre})", *summary(report, quant)]  # fmt: skip
+    if projector:
+        lines.insert(1, f"wrote {projector[1].name} (llama.cpp's projector file, {family.projector})")
     if ollama:
         texts = [tokenizer.convert_ids_to_tokens(t) for t in stops]
         write_modelfile(tmp, path.name, texts, generation, fmt)
@@ -152,8 +162,22 @@ def write_and_verify(target, folder: Path, tmp: Path, name: str, family, quant: 
     return Exported(path, report, lines)
 
 
+def write_projector_file(folder: Path, tmp: Path, name: str, config, family, quant: str):
+    """A vision-language model's tower and projector: llama.cpp's second file (f16 beside a quantized
+    model). Returns the image processor (what the check encodes the probe image with) and the file."""
+    from transformers import AutoImageProcessor
+
+    from liger_cli.export.gguf_projector import write_projector
+
+    kind = quant if quant in PLAIN_TYPES else "f16"
+    image_processor = AutoImageProcessor.from_pretrained(folder)
+    path = tmp / f"mmproj-{name}-{kind}.gguf"
+    write_projector(folder, path, config, family, image_processor, kind)
+    return image_processor, path
+
+
 def verify_file(path: Path, model, tokenizer, target, fmt: str, stops: list[int], quant: str, min_agreement,
-                max_new_tokens: int) -> Report:  # fmt: skip
+                max_new_tokens: int, projector=None) -> Report:  # fmt: skip
     from liger_cli.data.chat import render
     from liger_cli.export import verify
     from liger_cli.generate.engine import Sampling, generate
@@ -199,6 +223,8 @@ def verify_file(path: Path, model, tokenizer, target, fmt: str, stops: list[int]
         floor = min_agreement if min_agreement is not None else FLOORS.get(quant)
         verify.check_next_tokens(loaded, model, prompts, [c.ids for c in done], quant,
                                  None if quant in PLAIN_TYPES else floor, report)  # fmt: skip
+        if projector is not None:
+            verify.check_image(loaded, projector[1], model, tokenizer, projector[0], quant, report)
     finally:
         loaded.close()
     return report
@@ -244,4 +270,10 @@ def summary(report: Report, quant: str) -> list[str]:
         logits = (f"next tokens ({quant}): greedy agreement {report.agreement:.1%} over {report.positions} positions "
                   f"of {report.prompts} prompts, mean KL {report.mean_kl:.3g} to the unquantized model")  # fmt: skip
     stops = f"stops: llama.cpp ends generation on exactly liger's stop ids {list(report.stops)}"
-    return ["verified in llama.cpp:", f"  {tokens}", f"  {template}", f"  {logits}", f"  {stops}"]
+    found = ["verified in llama.cpp:", f"  {tokens}", f"  {template}", f"  {logits}", f"  {stops}"]
+    if report.image_logprob_diff is not None:
+        found.append(
+            f"  image: llama.cpp's embeddings of a probe picture within {report.image_embedding_diff:.2g} of the "
+            f"model's (relative); the next token after it within {report.image_logprob_diff:.2g} in log-prob"
+        )
+    return found

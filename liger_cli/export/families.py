@@ -21,8 +21,10 @@ from liger_cli.errors import UserError
 @dataclass(frozen=True)
 class Family:
     arch: str
-    """The gguf package's MODEL_ARCH member name."""
+    """The gguf package's MODEL_ARCH member name (a vision-language family's: its language model's)."""
     permute_qk: bool = False
+    projector: str | None = None
+    """A vision-language family's llama.cpp projector type: its vision tower goes in a second file."""
 
 
 FAMILIES = {
@@ -31,6 +33,7 @@ FAMILIES = {
     "qwen2": Family("QWEN2"),
     "qwen3": Family("QWEN3"),
 }
+VISION_FAMILIES = {"qwen2_vl": Family("QWEN2VL", projector="qwen2vl_merger")}  # M-RoPE language model
 
 
 def family_of(config) -> Family:
@@ -38,7 +41,7 @@ def family_of(config) -> Family:
     from liger_cli.model.vision import is_vision_language
 
     kind = config.model_type
-    if is_vision_language(config):
+    if is_vision_language(config) and kind not in VISION_FAMILIES:
         why = (
             "llama.cpp's own converter does not take a Hugging Face LLaVA with a CLIP tower either"
             if kind == "llava" and getattr(config.vision_config, "model_type", "") == "clip_vision_model"
@@ -46,12 +49,15 @@ def family_of(config) -> Family:
         )
         raise UserError(
             f"{kind} is a vision-language model: {why}, and a GGUF of its language model alone would not "
-            f"answer image prompts; export is for text models ({', '.join(FAMILIES)})"
+            f"answer image prompts; liger exports {', '.join(VISION_FAMILIES)} with its projector, and text "
+            f"models ({', '.join(FAMILIES)})"
         )
-    if kind not in FAMILIES:
+    found = VISION_FAMILIES.get(kind) or FAMILIES.get(kind)
+    config = config.get_text_config()
+    if found is None:
         raise UserError(
             f"model_type {kind}: liger has not verified its llama.cpp conversion; it exports "
-            f"{', '.join(FAMILIES)} (convert it with llama.cpp's convert_hf_to_gguf.py and check it yourself)"
+            f"{', '.join([*FAMILIES, *VISION_FAMILIES])} (convert it with llama.cpp's convert_hf_to_gguf.py and check it yourself)"
         )
     rope = rope_settings(config)
     if rope.get("rope_type", "default") not in ("default", None, "llama3"):
@@ -63,10 +69,10 @@ def family_of(config) -> Family:
     uses_window = getattr(config, "use_sliding_window", window is not None)
     if uses_window and window is not None and window < config.max_position_embeddings:
         raise UserError(
-            f"sliding_window {window} ({kind}): llama.cpp's {FAMILIES[kind].arch.lower()} architecture attends "
+            f"sliding_window {window} ({kind}): llama.cpp's {found.arch.lower()} architecture attends "
             "to the whole context; export refused rather than answer differently past the window"
         )
-    return FAMILIES[kind]
+    return found
 
 
 def rope_settings(config) -> dict:
@@ -81,7 +87,8 @@ def head_dim(config) -> int:
 
 
 def write_hyperparameters(writer, config) -> None:
-    """The architecture's metadata llama.cpp reads to build the graph."""
+    """The architecture's metadata llama.cpp reads to build the graph (a VLM's: its language model's)."""
+    config = config.get_text_config()
     dim = head_dim(config)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
@@ -95,6 +102,9 @@ def write_hyperparameters(writer, config) -> None:
     writer.add_rope_freq_base(float(rope_settings(config)["rope_theta"]))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
+    sections = rope_settings(config).get("mrope_section")
+    if sections:  # M-RoPE: the rotary dimensions given to time, height and width (llama.cpp takes four)
+        writer.add_rope_dimension_sections([*sections, 0, 0, 0, 0][:4])
 
 
 def permute_qk(weight: torch.Tensor, heads: int) -> torch.Tensor:

@@ -39,16 +39,20 @@ def write_gguf(folder: Path, path: Path, config, family: Family, tokenizer, out_
 
     from liger_cli.export.gguf_tokenizer import write_tokenizer
 
+    text = config.get_text_config()
     arch = getattr(gguf.MODEL_ARCH, family.arch)
-    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    names = gguf.get_tensor_name_map(arch, text.num_hidden_layers)
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
     writer.add_name(name)
-    write_hyperparameters(writer, config)
+    write_hyperparameters(writer, text)
     tensor_types, file_types = plain_types()
     writer.add_file_type(file_types[out_type])
-    pre = write_tokenizer(writer, folder, tokenizer, config.vocab_size, turn_end)
-    tied = getattr(config, "tie_word_embeddings", False)
+    pre = write_tokenizer(writer, folder, tokenizer, text.vocab_size, turn_end)
+    tied = getattr(text, "tie_word_embeddings", False) or getattr(config, "tie_word_embeddings", False)
     for hf_name, tensor in model_tensors(folder):
+        hf_name = language_name(hf_name)
+        if hf_name is None:
+            continue  # the vision tower and projector: the projector file's (gguf_projector.py)
         if tied and hf_name == "lm_head.weight":
             continue  # llama.cpp reads the output projection from token_embd when output is absent
         if hf_name.endswith("rotary_emb.inv_freq"):
@@ -59,10 +63,10 @@ def write_gguf(folder: Path, path: Path, config, family: Family, tokenizer, out_
                 f"tensor {hf_name} has no llama.cpp name in the {family.arch.lower()} architecture: this "
                 f"{config.model_type} model has weights liger's export does not know; nothing written"
             )
-        data = convert_tensor(hf_name, tensor, family, config).to(torch.float32).numpy()
+        data = convert_tensor(hf_name, tensor, family, text).to(torch.float32).numpy()
         qtype = gguf.GGMLQuantizationType.F32 if data.ndim == 1 else tensor_types[out_type]
         writer.add_tensor(gguf_name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
-    factors = rope_frequency_factors(config)
+    factors = rope_frequency_factors(text)
     if factors is not None:
         writer.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", factors.numpy())
     writer.write_header_to_file()
@@ -70,6 +74,21 @@ def write_gguf(folder: Path, path: Path, config, family: Family, tokenizer, out_
     writer.write_tensors_to_file()
     writer.close()
     return pre
+
+
+VISION_PREFIXES = ("visual.", "model.visual.")
+
+
+def language_name(name: str) -> str | None:
+    """A checkpoint name as the language model's (a VLM's `model.language_model.` prefix dropped), or None
+    for the vision tower's and projector's weights."""
+    if name.startswith(VISION_PREFIXES):
+        return None
+    return (
+        "model." + name.removeprefix("model.language_model.")
+        if name.startswith("model.language_model.")
+        else name
+    )
 
 
 def plain_types() -> tuple[dict, dict]:

@@ -51,6 +51,8 @@ def quantize(source: Path, target: Path, quant: str) -> None:
 
 
 F32 = 0  # GGML_TYPE_F32
+MEDIA = "<media>"
+"""Where an image goes in a prompt given to `Runtime.image_log_probs` (llama.cpp's own marker replaces it)."""
 
 
 class Runtime:
@@ -106,3 +108,56 @@ class Runtime:
                 break
             self.model.eval([token])
         return out
+
+    def image_log_probs(
+        self, projector: Path, text: str, rgb: np.ndarray, size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The image's embeddings (tokens x `size`: what llama.cpp's tower and projector make of it) and the
+        log softmax of llama.cpp's next-token logits after `text`, whose MEDIA marker stands for the image
+        `rgb` (height x width x 3, uint8): llama.cpp's multimodal library (mtmd) with the projector file,
+        its own preprocessing, tower, projector and positions."""
+        from llama_cpp import mtmd_cpp
+
+        llama_cpp = self.llama_cpp
+        params = mtmd_cpp.mtmd_context_params_default()
+        params.use_gpu, params.print_timings, params.n_threads, params.warmup = False, False, threads(), False
+        context = mtmd_cpp.mtmd_init_from_file(str(projector).encode(), self.model.model, params)
+        if not context:
+            raise RunFailed(f"llama.cpp cannot load the written {projector.name}")
+        height, width, _ = rgb.shape
+        data = np.ascontiguousarray(rgb, dtype=np.uint8)
+        bitmap = mtmd_cpp.mtmd_bitmap_init(width, height, data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)))
+        chunks = mtmd_cpp.mtmd_input_chunks_init()
+        try:
+            marked = text.replace(MEDIA, mtmd_cpp.mtmd_default_marker().decode())
+            inputs = mtmd_cpp.mtmd_input_text(
+                marked.encode("utf-8"), len(marked.encode("utf-8")), False, True
+            )
+            bitmaps = (mtmd_cpp.mtmd_bitmap_p_ctypes * 1)(bitmap)
+            if mtmd_cpp.mtmd_tokenize(context, chunks, ctypes.byref(inputs), bitmaps, 1) != 0:
+                raise RunFailed("llama.cpp's multimodal library could not tokenize the image prompt")
+            image = next(
+                mtmd_cpp.mtmd_input_chunks_get(chunks, i) for i in range(mtmd_cpp.mtmd_input_chunks_size(chunks))
+                if mtmd_cpp.mtmd_input_chunk_get_type(mtmd_cpp.mtmd_input_chunks_get(chunks, i))
+                == mtmd_cpp.MTMD_INPUT_CHUNK_TYPE_IMAGE
+            )  # fmt: skip
+            if mtmd_cpp.mtmd_encode_chunk(context, image) != 0:
+                raise RunFailed("llama.cpp's multimodal library could not encode the probe image")
+            tokens = mtmd_cpp.mtmd_input_chunk_get_n_tokens(image)
+            embeddings = torch.from_numpy(
+                np.ctypeslib.as_array(mtmd_cpp.mtmd_get_output_embd(context), shape=(tokens * size,)).copy()
+            ).reshape(tokens, size)
+            llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.model.ctx), True)
+            past = llama_cpp.llama_pos(0)
+            if mtmd_cpp.mtmd_helper_eval_chunks(
+                context, self.model.ctx, chunks, 0, 0, 512, True, ctypes.byref(past)
+            ):
+                raise RunFailed("llama.cpp's multimodal library could not evaluate the image prompt")
+            logits = np.ctypeslib.as_array(
+                llama_cpp.llama_get_logits_ith(self.model.ctx, -1), shape=(self.model.n_vocab(),)
+            )
+            return embeddings, torch.log_softmax(torch.from_numpy(logits.astype(np.float64)), dim=-1)
+        finally:
+            mtmd_cpp.mtmd_input_chunks_free(chunks)
+            mtmd_cpp.mtmd_bitmap_free(bitmap)
+            mtmd_cpp.mtmd_free(context)

@@ -24,6 +24,10 @@ from liger_cli.errors import RunFailed
 BOUNDS = {"f32": 1e-3, "f16": 5e-2, "bf16": 2.5e-1}
 """Largest |log p(GGUF) - log p(model)| over every token of the vocabulary, per plain type; the model
 computes in f32, so f16 and bf16 carry their weights' rounding (measured: docs/export.md)."""
+IMAGE_BOUNDS = {**BOUNDS, "f32": 1e-2}
+"""The image probe's: its embeddings' largest difference (relative to their largest value) and the next
+token's |Δ log p|. f32's is looser than the text's: llama.cpp computes the projector's GELU through a
+half-precision table, and its qwen2vl language model ignores the RMSNorm epsilon (docs/export.md)."""
 FLOORS = {"q8_0": 0.9, "q6_k": 0.85, "q5_k_m": 0.8, "q5_k_s": 0.8, "q5_0": 0.8, "q4_k_m": 0.7, "q4_k_s": 0.7,
           "q4_0": 0.7, "q3_k_m": 0.5, "q2_k": 0.3}  # fmt: skip
 """Least share of completion positions where a quantized GGUF's greedy token is the model's."""
@@ -58,6 +62,10 @@ class Report:
     agreement: float = 1.0
     mean_kl: float = 0.0
     stops: tuple[int, ...] = ()
+    image_embedding_diff: float | None = None
+    """A vision-language model: largest difference of the probe image's embeddings, of their largest value."""
+    image_logprob_diff: float | None = None
+    """A vision-language model: largest |Δ log p| of the next token after an image prompt."""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -177,3 +185,65 @@ def check_stops(runtime, stops: list[int], report: Report) -> None:
         other = "llama.cpp does not" if token in stops else "liger's engine goes on"
         raise ExportMismatch(f"{said} {token} {runtime.piece(token)!r}; {other}")
     report.stops = tuple(sorted(stops))
+
+
+def probe_image():
+    """112 x 56 RGB, a colour gradient: a size both llama.cpp's Qwen2-VL preprocessing and the processor
+    take as it is (8 merged image tokens), so both encode the same pixels."""
+    import numpy as np
+
+    y, x = np.mgrid[0:56, 0:112]
+    return np.stack([(x * 2) % 256, (y * 4) % 256, ((x + y) * 3) % 256], axis=-1).astype(np.uint8)
+
+
+def check_image(runtime, projector, model, tokenizer, image_processor, out_type: str, report: Report) -> None:
+    """A probe image through both: its embeddings (the model's tower and projector on its image processor's
+    pixels, against llama.cpp's mtmd on the projector file with its own preprocessing), then the next token
+    after a prompt holding it (the language model file, M-RoPE positions included)."""
+    from PIL import Image
+
+    from liger_cli.export.runtime import MEDIA
+
+    config = model.config
+    start, pad, end = tokenizer.convert_ids_to_tokens(
+        [config.vision_start_token_id, config.image_token_id, config.vision_end_token_id]
+    )
+    before, after = "Look at this picture: ", " What colour is it?"
+    rgb = probe_image()
+    pixels = image_processor(images=[Image.fromarray(rgb)], return_tensors="pt")
+    count = int(pixels["image_grid_thw"].prod()) // config.vision_config.spatial_merge_size**2
+    ids = tokenizer(before + start + pad * count + end + after, add_special_tokens=False, return_tensors="pt")
+    kinds = (ids["input_ids"] == config.image_token_id).long()  # the processor's marks: 1 for an image token
+    with torch.no_grad():
+        logits = model(input_ids=ids["input_ids"], pixel_values=pixels["pixel_values"], mm_token_type_ids=kinds,
+                       image_grid_thw=pixels["image_grid_thw"]).logits[0, -1]  # fmt: skip
+        embedded = model.model.get_image_features(
+            pixels["pixel_values"], pixels["image_grid_thw"]
+        ).pooler_output[0]
+    want = torch.log_softmax(logits.double(), dim=-1)
+    embeddings, got = runtime.image_log_probs(projector, before + MEDIA + after, rgb, embedded.shape[-1])
+    got = got[: want.shape[-1]]
+    bound = IMAGE_BOUNDS.get(out_type)
+    tower_bound = IMAGE_BOUNDS.get(out_type, IMAGE_BOUNDS["f16"])  # a quantized model's projector file is f16
+    if embeddings.shape != embedded.shape:
+        raise ExportMismatch(
+            f"llama.cpp makes {tuple(embeddings.shape)} embeddings of the probe image, the model {tuple(embedded.shape)}"
+        )
+    report.image_embedding_diff = float((embeddings - embedded).abs().max() / embedded.abs().max())
+    report.image_logprob_diff = float((want - got).abs().max())
+    if report.image_embedding_diff > tower_bound:
+        raise ExportMismatch(
+            f"llama.cpp encodes the probe image differently: its embeddings differ from the model's by up to "
+            f"{report.image_embedding_diff:.3g} of their largest value (bound: {tower_bound:g})"
+        )
+    if bound is not None and report.image_logprob_diff > bound:
+        raise ExportMismatch(
+            f"after an image prompt llama.cpp's next-token log-probs differ from the model's by up to "
+            f"{report.image_logprob_diff:.3g} (bound for {out_type}: {bound:g})"
+        )
+    top, token = int(got.argmax()), int(want.argmax())
+    if bound is not None and top != token and float(want[token] - want[top]) > 2 * bound:
+        raise ExportMismatch(
+            f"after an image prompt the greedy tokens differ: the model {token} {runtime.piece(token)!r}, "
+            f"llama.cpp {top} {runtime.piece(top)!r}"
+        )

@@ -1,0 +1,75 @@
+"""A vision-language model's second file: its vision tower and projector as llama.cpp's `mmproj` GGUF
+(architecture `clip`), written with the `gguf` package's tensor-name map for it.
+
+Qwen2-VL (projector `qwen2vl_merger`): the patch embedding is a Conv3d over two frames, which llama.cpp
+runs as two Conv2d kernels (`v.patch_embd.weight` and `.weight.1`, summed); each block's fused qkv
+projection is split into q, k and v; the merger's LayerNorm is `v.post_ln` and its two linear layers
+`mm.0` and `mm.2`. The image mean, std and patch size are the processor's, the MLP's activation llama.cpp's
+default for this projector (quick GELU, Qwen2-VL's), the LayerNorms' epsilon Qwen2-VL's fixed 1e-6.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from liger_cli.errors import UserError
+from liger_cli.export.gguf_file import VISION_PREFIXES, model_tensors, plain_types
+
+QWEN2_VL_NORM_EPS = 1e-6
+IMAGE_SIZE = 560  # llama.cpp's warm-up size for dynamic-size towers (its converter's default)
+
+
+def vision_tensors(name: str, tensor: torch.Tensor):
+    """(name, tensor) pairs llama.cpp's map knows, from one checkpoint tensor of the vision side."""
+    name = "visual." + name.removeprefix("model.").removeprefix("visual.")
+    if ".qkv." in name:
+        for part, piece in zip("qkv", tensor.chunk(3, dim=0), strict=True):
+            yield name.replace(".qkv.", f".{part}."), piece
+    elif name.endswith("patch_embed.proj.weight"):
+        if tensor.shape[2] != 2:
+            raise UserError(f"{name}: a temporal patch of {tensor.shape[2]} frames; llama.cpp takes 2")
+        yield "v.patch_embd.weight", tensor[:, :, 0]
+        yield "v.patch_embd.weight.1", tensor[:, :, 1]
+    else:
+        yield name, tensor
+
+
+def write_projector(folder: Path, path: Path, config, family, image_processor, out_type: str) -> None:
+    import gguf
+
+    vision, text = config.vision_config, config.get_text_config()
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(vision.depth, 3))  # the merger's mlp.2 too
+    tensor_types, file_types = plain_types()
+    writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MMPROJ])
+    writer.add_file_type(file_types[out_type])
+    writer.add_clip_has_vision_encoder(True)
+    writer.add_clip_projector_type(family.projector)
+    writer.add_vision_projection_dim(text.hidden_size)
+    writer.add_vision_image_size(IMAGE_SIZE)
+    writer.add_vision_patch_size(vision.patch_size)
+    writer.add_vision_embedding_length(vision.embed_dim)
+    writer.add_vision_feed_forward_length(int(vision.embed_dim * vision.mlp_ratio))
+    writer.add_vision_block_count(vision.depth)
+    writer.add_vision_head_count(vision.num_heads)
+    writer.add_vision_attention_layernorm_eps(QWEN2_VL_NORM_EPS)
+    writer.add_vision_image_mean([float(v) for v in image_processor.image_mean])
+    writer.add_vision_image_std([float(v) for v in image_processor.image_std])
+    writer.add_vision_spatial_merge_size(vision.spatial_merge_size)
+    for hf_name, tensor in model_tensors(folder):
+        if not hf_name.startswith(VISION_PREFIXES):
+            continue
+        for name, piece in vision_tensors(hf_name, tensor):
+            gguf_name = (
+                name if name.startswith("v.") else names.get_name(name, try_suffixes=(".weight", ".bias"))
+            )
+            if gguf_name is None:
+                raise UserError(f"tensor {hf_name} has no name in llama.cpp's {family.projector} projector")
+            data = piece.to(torch.float32).numpy()
+            qtype = gguf.GGMLQuantizationType.F32 if data.ndim == 1 else tensor_types[out_type]
+            writer.add_tensor(gguf_name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
