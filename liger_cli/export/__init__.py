@@ -3,7 +3,8 @@ LM Studio), and verified in that runtime against liger's own engine before it co
 
 `command.py` runs it: the run's adapter merged as `liger merge` merges it, `families.py` says what a
 family becomes in llama.cpp (or refuses it), `gguf_tokenizer.py` and `gguf_file.py` write the file with
-llama.cpp's own `gguf` package, `runtime.py` loads and quantizes it through llama.cpp's library,
-`verify.py` checks tokens, template, next-token log-probs and stops, `ollama.py` writes a Modelfile.
+llama.cpp's own `gguf` package (`gguf_projector.py` a vision-language model's projector file),
+`runtime.py` loads and quantizes it through llama.cpp's library, `verify.py` checks tokens, template,
+next-token log-probs, images and stops, `ollama.py` writes a Modelfile.
 A command on top of the flow: it may import every stage, and `liger_cli.merge`.
 """
