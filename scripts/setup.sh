@@ -16,15 +16,16 @@ PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
 
 # llama.cpp's Python binding (`liger export`, the export extra) has no wheel on PyPI: it compiles
 # llama.cpp (about 4 minutes on 2 cores), so its wheel is built in the background while the rest
-# installs, with only its libraries (llama, and mtmd for images: no tools, server, tests or examples).
+# installs, with only its libraries (llama, and mtmd for images: no tools, server, tests or examples);
+# built without pip's wheel cache, which keys a build by the source alone, not by CMAKE_ARGS.
 llama_build=""
 mkdir -p .venv/llama-wheel
-if ! .venv/bin/python -c "import llama_cpp" 2>/dev/null; then
+if ! .venv/bin/python -c "from llama_cpp import mtmd_cpp" 2>/dev/null; then  # mtmd: image support
   echo "setup: building llama-cpp-python (llama.cpp from source) in the background"
   rm -f .venv/llama-wheel/*.whl
   CMAKE_ARGS="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF" \
     CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
-    "${PIP[@]}" wheel --no-deps -c constraints.txt -w .venv/llama-wheel llama-cpp-python \
+    "${PIP[@]}" wheel --no-deps --no-cache-dir -c constraints.txt -w .venv/llama-wheel llama-cpp-python \
     >.venv/llama-build.log 2>&1 &
   llama_build=$!
 fi
@@ -59,6 +60,9 @@ if [ -n "$llama_build" ]; then
   fi
 fi
 echo "setup: installing the export extra (gguf, llama-cpp-python)"
+if [ -n "$llama_build" ]; then  # the wheel just built (pip would otherwise keep an older build)
+  "${PIP[@]}" install --force-reinstall --no-deps .venv/llama-wheel/llama_cpp_python-*.whl
+fi
 "${PIP[@]}" install -c constraints.txt --find-links .venv/llama-wheel -e ".[test,bench,export]"
 # liger's own modules compiled once, here: every liger process (each rank of a launch too) then loads
 # them compiled, also where PYTHONDONTWRITEBYTECODE keeps Python from writing the cache itself.

@@ -84,6 +84,8 @@ def export_gguf(source: Path, out: Path, fmt: str = "gguf", quant: str = "f16", 
     adapter = (target.weights / "adapter_config.json").is_file()
     family = family_of(read_config(config_source(target)))  # before any work: the family, the tokenizer
     pre_tokenizer_name(read_tokenizer_json(target.weights))
+    if family.projector:
+        runtime.multimodal_binding()
     if family.projector and not (model_folder(target) / "preprocessor_config.json").is_file():
         raise UserError(
             f"{model_folder(target)} has no preprocessor_config.json: a vision-language model's export needs "

@@ -36,6 +36,20 @@ def binding():
     return llama_cpp
 
 
+def multimodal_binding():
+    """llama.cpp's multimodal library (mtmd) through the binding, or a UserError: a llama-cpp-python built
+    without it (LLAVA_BUILD=OFF) cannot load a projector file."""
+    binding()
+    try:
+        from llama_cpp import mtmd_cpp
+    except (ImportError, OSError, FileNotFoundError) as err:
+        raise UserError(
+            f"this llama-cpp-python has no multimodal library (mtmd: {err}), which a vision-language export "
+            "is checked with: reinstall it built with it (bash scripts/setup.sh does)"
+        ) from None
+    return mtmd_cpp
+
+
 def threads() -> int:
     return max(1, min(8, len(os.sched_getaffinity(0))))
 
@@ -116,8 +130,7 @@ class Runtime:
         log softmax of llama.cpp's next-token logits after `text`, whose MEDIA marker stands for the image
         `rgb` (height x width x 3, uint8): llama.cpp's multimodal library (mtmd) with the projector file,
         its own preprocessing, tower, projector and positions."""
-        from llama_cpp import mtmd_cpp
-
+        mtmd_cpp = multimodal_binding()
         llama_cpp = self.llama_cpp
         params = mtmd_cpp.mtmd_context_params_default()
         params.use_gpu, params.print_timings, params.n_threads, params.warmup = False, False, threads(), False
