@@ -110,7 +110,8 @@ class Runtime:
         self.model.close()
 
     def generate_greedy(self, prompt: list[int], max_new_tokens: int) -> list[int]:
-        """llama.cpp's own greedy loop: argmax of its logits, stopping on its EOG set (for timing)."""
+        """llama.cpp generating token by token (its KV cache filled as it goes): the argmax of its logits,
+        stopping on its EOG set."""
         eog = self.end_of_generation()
         self.model.reset()
         self.model.eval(prompt)
