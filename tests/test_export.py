@@ -335,16 +335,35 @@ def test_a_chat_models_end_of_turn_is_where_llama_cpp_stops(tmp_path: Path, monk
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chat", "out"]
 
 
-def tiny_qwen2_vl(path: Path) -> Path:
-    """The tests' tiny Qwen2-VL (vlm_models.py) with larger weights (peaked distributions), Qwen2-VL's own
-    RMSNorm epsilon (1e-6) and its image processor saved beside it."""
+def tiny_qwen_vl(path: Path, family: str) -> Path:
+    """A tiny Qwen2-VL (vlm_models.py's) or Qwen2.5-VL (two blocks: the first in 112-pixel windows, the
+    second full) with larger weights (peaked distributions), Qwen-VL's own RMSNorm epsilon (1e-6) and the
+    image processor saved beside it."""
     import torch
-    from transformers import AutoModelForImageTextToText, Qwen2VLImageProcessorPil
+    from conftest import tiny_llama_settings
+    from transformers import (
+        AutoConfig,
+        AutoModelForImageTextToText,
+        Qwen2_5_VLConfig,
+        Qwen2VLImageProcessorPil,
+    )
     from vlm_models import QWEN_TOKENS, _tokenizer, qwen2_vl_config
 
     tokenizer = _tokenizer(QWEN_TOKENS)
-    config = qwen2_vl_config(tokenizer)
-    config.text_config.rms_norm_eps = 1e-6
+    if family == "qwen2_vl":
+        config = qwen2_vl_config(tokenizer)
+        config.text_config.rms_norm_eps = 1e-6
+    else:
+        ids = dict(zip(("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"),
+                       tokenizer.convert_tokens_to_ids(QWEN_TOKENS), strict=True))  # fmt: skip
+        text = AutoConfig.for_model("qwen2_5_vl_text", **{**tiny_llama_settings(tokenizer), "rms_norm_eps": 1e-6,
+                                    "rope_parameters": {"rope_type": "default", "mrope_section": [2, 1, 1]}})  # fmt: skip
+        vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 4, "out_hidden_size": 32,
+                  "window_size": 112, "fullatt_block_indexes": [1], "patch_size": 14, "spatial_merge_size": 2,
+                  "temporal_patch_size": 2, "in_channels": 3, "hidden_act": "silu"}  # fmt: skip
+        config = Qwen2_5_VLConfig(
+            text_config=text.to_dict(), vision_config=vision, tie_word_embeddings=False, **ids
+        )
     for part in (config, config.text_config, config.vision_config):
         part.initializer_range = 0.2
     torch.manual_seed(1)
@@ -354,35 +373,12 @@ def tiny_qwen2_vl(path: Path) -> Path:
     return path
 
 
-def test_a_vision_language_model_exports_with_its_projector(tmp_path: Path, monkeypatch) -> None:
-    """Qwen2-VL: the language model (llama.cpp's qwen2vl, M-RoPE sections) and the projector file
-    (`mmproj`, qwen2vl_merger), checked together in llama.cpp: text as for every model, then a probe
-    picture's embeddings (llama.cpp's mtmd, its own preprocessing) against the model's tower and
-    projector, and the next token after a prompt holding it. A projector whose attention q and k are
-    swapped is caught at the embeddings."""
-    import gguf
-
+def swap_vision_q_and_k(monkeypatch) -> None:
     from liger_cli.export import gguf_projector
-    from liger_cli.export.verify import ExportMismatch
-
-    model = tiny_qwen2_vl(tmp_path / "qwen2-vl")
-    done = export(model, tmp_path / "out", quant="f32")
-    names = sorted(p.name for p in (tmp_path / "out").iterdir())
-    assert names == [".liger-export", "export.json", "mmproj-qwen2-vl-f32.gguf", "qwen2-vl-f32.gguf"]
-    report = done.report
-    assert report.largest_logprob_diff < 1e-3 and report.near_ties == 0 and report.positions >= 20, report
-    assert report.image_embedding_diff < 2e-3 and report.image_logprob_diff < 1e-2, report
-    text = gguf.GGUFReader(done.path).fields
-    assert text["general.architecture"].contents() == "qwen2vl"
-    assert text["qwen2vl.rope.dimension_sections"].contents() == [2, 1, 1, 0]
-    projector = gguf.GGUFReader(tmp_path / "out" / "mmproj-qwen2-vl-f32.gguf")
-    assert projector.fields["clip.projector_type"].contents() == "qwen2vl_merger"
-    assert {t.name for t in projector.tensors} >= {"v.patch_embd.weight", "v.patch_embd.weight.1", "mm.0.weight",
-                                                   "mm.2.weight", "v.post_ln.weight", "v.blk.1.attn_q.weight"}  # fmt: skip
 
     real = gguf_projector.vision_tensors
 
-    def swapped(name, tensor):  # the vision attention's q and k exchanged
+    def swapped(name, tensor):
         for found, piece in real(name, tensor):
             yield (
                 found.replace(".attn.q.", ".attn.x.")
@@ -392,6 +388,49 @@ def test_a_vision_language_model_exports_with_its_projector(tmp_path: Path, monk
             )
 
     monkeypatch.setattr(gguf_projector, "vision_tensors", swapped)
+
+
+def window_every_block_but_the_third(monkeypatch) -> None:
+    from liger_cli.export import gguf_projector
+
+    monkeypatch.setattr(gguf_projector, "window_pattern", lambda full: 3)  # the second block windowed too
+
+
+VISION = {  # family -> (llama.cpp's projector, how to break its file)
+    "qwen2_vl": ("qwen2vl_merger", swap_vision_q_and_k),
+    "qwen2_5_vl": ("qwen2.5vl_merger", window_every_block_but_the_third),
+}
+
+
+@pytest.mark.parametrize("family", VISION)
+def test_a_vision_language_model_exports_with_its_projector(family: str, tmp_path: Path, monkeypatch) -> None:
+    """The language model (llama.cpp's qwen2vl, M-RoPE sections) and the projector file (`mmproj`),
+    checked together in llama.cpp: text as for every model, then a probe picture's embeddings (llama.cpp's
+    mtmd, its own preprocessing) against the model's tower and projector, and the next token after a
+    prompt holding it. A broken projector file (Qwen2-VL's vision q and k swapped; Qwen2.5-VL's full-
+    attention block windowed) is caught at the embeddings and leaves nothing."""
+    import gguf
+
+    from liger_cli.export.families import VISION_FAMILIES
+    from liger_cli.export.verify import ExportMismatch
+
+    assert set(VISION) == set(VISION_FAMILIES)  # every vision-language family liger exports is walked here
+    projector_type, breaks = VISION[family]
+    model = tiny_qwen_vl(tmp_path / family, family)
+    done = export(model, tmp_path / "out", quant="f32")
+    names = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert names == [".liger-export", "export.json", f"mmproj-{family}-f32.gguf", f"{family}-f32.gguf"]
+    report = done.report
+    assert report.largest_logprob_diff < 1e-3 and report.near_ties == 0 and report.positions >= 20, report
+    assert report.image_embedding_diff < 2e-3 and report.image_logprob_diff < 1e-2, report
+    text = gguf.GGUFReader(done.path).fields
+    assert text["general.architecture"].contents() == "qwen2vl"
+    assert text["qwen2vl.rope.dimension_sections"].contents() == [2, 1, 1, 0]
+    projector = gguf.GGUFReader(tmp_path / "out" / f"mmproj-{family}-f32.gguf")
+    assert projector.fields["clip.projector_type"].contents() == projector_type
+    assert {t.name for t in projector.tensors} >= {"v.patch_embd.weight", "v.patch_embd.weight.1", "mm.0.weight",
+                                                   "mm.2.weight", "v.post_ln.weight", "v.blk.1.attn_q.weight"}  # fmt: skip
+    breaks(monkeypatch)
     with pytest.raises(ExportMismatch, match="llama.cpp encodes the probe image differently"):
         export(model, tmp_path / "broken", quant="f32")
     assert not (tmp_path / "broken").exists()

@@ -33,7 +33,10 @@ FAMILIES = {
     "qwen2": Family("QWEN2"),
     "qwen3": Family("QWEN3"),
 }
-VISION_FAMILIES = {"qwen2_vl": Family("QWEN2VL", projector="qwen2vl_merger")}  # M-RoPE language model
+VISION_FAMILIES = {  # the language model as llama.cpp's qwen2vl (M-RoPE), the tower in the projector file
+    "qwen2_vl": Family("QWEN2VL", projector="qwen2vl_merger"),
+    "qwen2_5_vl": Family("QWEN2VL", projector="qwen2.5vl_merger"),
+}
 
 
 def family_of(config) -> Family:

@@ -1,11 +1,13 @@
 """A vision-language model's second file: its vision tower and projector as llama.cpp's `mmproj` GGUF
 (architecture `clip`), written with the `gguf` package's tensor-name map for it.
 
-Qwen2-VL (projector `qwen2vl_merger`): the patch embedding is a Conv3d over two frames, which llama.cpp
+Qwen2-VL (projector `qwen2vl_merger`) and Qwen2.5-VL (`qwen2.5vl_merger`: RMSNorms, SiLU-gated MLPs,
+window attention with a full-attention block every n): the patch embedding is a Conv3d over two frames, which llama.cpp
 runs as two Conv2d kernels (`v.patch_embd.weight` and `.weight.1`, summed); each block's fused qkv
 projection is split into q, k and v; the merger's LayerNorm is `v.post_ln` and its two linear layers
 `mm.0` and `mm.2`. The image mean, std and patch size are the processor's, the MLP's activation llama.cpp's
-default for this projector (quick GELU, Qwen2-VL's), the LayerNorms' epsilon Qwen2-VL's fixed 1e-6.
+default for Qwen2-VL's projector (quick GELU, Qwen2-VL's) and SiLU for 2.5's, the norms' epsilon their
+fixed 1e-6.
 """
 
 from __future__ import annotations
@@ -36,6 +38,16 @@ def vision_tensors(name: str, tensor: torch.Tensor):
         yield name, tensor
 
 
+def window_pattern(full: list[int]) -> int:
+    """Qwen2.5-VL's full-attention blocks as llama.cpp's pattern n (every n-th block attends fully)."""
+    n = full[0] + 1
+    if any(b - a != n for a, b in zip(full, full[1:], strict=False)):
+        raise UserError(
+            f"fullatt_block_indexes {full}: not every n-th block, which llama.cpp's qwen2.5vl takes"
+        )
+    return n
+
+
 def write_projector(folder: Path, path: Path, config, family, image_processor, out_type: str) -> None:
     import gguf
 
@@ -49,9 +61,16 @@ def write_projector(folder: Path, path: Path, config, family, image_processor, o
     writer.add_vision_projection_dim(text.hidden_size)
     writer.add_vision_image_size(IMAGE_SIZE)
     writer.add_vision_patch_size(vision.patch_size)
-    writer.add_vision_embedding_length(vision.embed_dim)
-    writer.add_vision_feed_forward_length(int(vision.embed_dim * vision.mlp_ratio))
+    width = (
+        getattr(vision, "embed_dim", None) or vision.hidden_size
+    )  # Qwen2-VL names it embed_dim, 2.5 hidden_size
+    ffn = int(width * vision.mlp_ratio) if getattr(vision, "mlp_ratio", None) else vision.intermediate_size
+    writer.add_vision_embedding_length(width)
+    writer.add_vision_feed_forward_length(ffn)
     writer.add_vision_block_count(vision.depth)
+    if family.projector == "qwen2.5vl_merger":  # window attention, full every n-th block; SiLU-gated MLPs
+        writer.add_vision_use_silu(True)
+        writer.add_vision_n_wa_pattern(window_pattern(vision.fullatt_block_indexes))
     writer.add_vision_head_count(vision.num_heads)
     writer.add_vision_attention_layernorm_eps(QWEN2_VL_NORM_EPS)
     writer.add_vision_image_mean([float(v) for v in image_processor.image_mean])

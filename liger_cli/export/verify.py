@@ -188,11 +188,12 @@ def check_stops(runtime, stops: list[int], report: Report) -> None:
 
 
 def probe_image():
-    """112 x 56 RGB, a colour gradient: a size both llama.cpp's Qwen2-VL preprocessing and the processor
-    take as it is (8 merged image tokens), so both encode the same pixels."""
+    """224 x 112 RGB, a colour gradient: a size both llama.cpp's Qwen2-VL preprocessing and the processor
+    take as it is (32 merged image tokens; two of Qwen2.5-VL's 112-pixel attention windows), so both encode
+    the same pixels."""
     import numpy as np
 
-    y, x = np.mgrid[0:56, 0:112]
+    y, x = np.mgrid[0:112, 0:224]
     return np.stack([(x * 2) % 256, (y * 4) % 256, ((x + y) * 3) % 256], axis=-1).astype(np.uint8)
 
 
