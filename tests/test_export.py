@@ -417,9 +417,18 @@ def test_a_vision_language_model_exports_with_its_projector(family: str, tmp_pat
     assert set(VISION) == set(VISION_FAMILIES)  # every vision-language family liger exports is walked here
     projector_type, breaks = VISION[family]
     model = tiny_qwen_vl(tmp_path / family, family)
-    done = export(model, tmp_path / "out", quant="f32")
+    done = export(model, tmp_path / "out", quant="f32", ollama=True)
     names = sorted(p.name for p in (tmp_path / "out").iterdir())
-    assert names == [".liger-export", "export.json", f"mmproj-{family}-f32.gguf", f"{family}-f32.gguf"]
+    assert names == [
+        ".liger-export",
+        "Modelfile",
+        "export.json",
+        f"mmproj-{family}-f32.gguf",
+        f"{family}-f32.gguf",
+    ]
+    modelfile = (tmp_path / "out" / "Modelfile").read_text()
+    assert modelfile.startswith(f"FROM ./{family}-f32.gguf\n# mmproj-{family}-f32.gguf is for llama.cpp")
+    assert "Ollama does not take a separate projector" in modelfile
     report = done.report
     assert report.largest_logprob_diff < 1e-3 and report.near_ties == 0 and report.positions >= 20, report
     assert report.image_embedding_diff < 2e-3 and report.image_logprob_diff < 1e-2, report

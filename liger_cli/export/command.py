@@ -156,7 +156,7 @@ def write_and_verify(target, folder: Path, tmp: Path, name: str, family, quant: 
         lines.insert(1, f"wrote {projector[1].name} (llama.cpp's projector file, {family.projector})")
     if ollama:
         texts = [tokenizer.convert_ids_to_tokens(t) for t in stops]
-        write_modelfile(tmp, path.name, texts, generation, fmt)
+        write_modelfile(tmp, path.name, texts, generation, fmt, projector and projector[1].name)
         lines.append("wrote Modelfile: ollama create NAME -f Modelfile (in the output folder)")
     record = {"file": path.name, "quant": quant, "family": config.model_type, "arch": family.arch.lower(),
               "pre_tokenizer": pre, "format": fmt, "bytes": path.stat().st_size, **report.as_dict()}  # fmt: skip

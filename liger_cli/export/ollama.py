@@ -16,8 +16,15 @@ from liger_cli.data.encode import INSTRUCTION_TEMPLATE_NO_INPUT
 SAMPLING = ("temperature", "top_p", "top_k")
 
 
-def modelfile(gguf_name: str, stop_texts: list[str], generation_config, fmt: str) -> str:
+def modelfile(
+    gguf_name: str, stop_texts: list[str], generation_config, fmt: str, projector: str | None = None
+) -> str:
     lines = [f"FROM ./{gguf_name}"]
+    if projector:
+        lines.append(
+            f"# {projector} is for llama.cpp (llama-mtmd-cli --mmproj); Ollama does not take a separate projector "
+            "file for an imported model, so this Modelfile serves the language model alone (text prompts)."
+        )
     for text in stop_texts:
         lines.append(f"PARAMETER stop {quoted(text)}")
     for name in SAMPLING:
@@ -45,7 +52,8 @@ def quoted(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def write_modelfile(folder: Path, gguf_name: str, stop_texts: list[str], generation_config, fmt: str) -> Path:
+def write_modelfile(folder: Path, gguf_name: str, stop_texts: list[str], generation_config, fmt: str,
+                    projector: str | None = None) -> Path:  # fmt: skip
     path = folder / "Modelfile"
-    path.write_text(modelfile(gguf_name, stop_texts, generation_config, fmt))
+    path.write_text(modelfile(gguf_name, stop_texts, generation_config, fmt, projector))
     return path
