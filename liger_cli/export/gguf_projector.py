@@ -2,12 +2,12 @@
 (architecture `clip`), written with the `gguf` package's tensor-name map for it.
 
 Qwen2-VL (projector `qwen2vl_merger`) and Qwen2.5-VL (`qwen2.5vl_merger`: RMSNorms, SiLU-gated MLPs,
-window attention with a full-attention block every n): the patch embedding is a Conv3d over two frames, which llama.cpp
-runs as two Conv2d kernels (`v.patch_embd.weight` and `.weight.1`, summed); each block's fused qkv
-projection is split into q, k and v; the merger's LayerNorm is `v.post_ln` and its two linear layers
-`mm.0` and `mm.2`. The image mean, std and patch size are the processor's, the MLP's activation llama.cpp's
-default for Qwen2-VL's projector (quick GELU, Qwen2-VL's) and SiLU for 2.5's, the norms' epsilon their
-fixed 1e-6.
+window attention with a full-attention block every n): the patch embedding is a Conv3d over two frames,
+which llama.cpp runs as two Conv2d kernels (`v.patch_embd.weight` and `.weight.1`, summed); each block's
+fused qkv projection is split into q, k and v; the merger's norm is `v.post_ln` and its two linear layers
+`mm.0` and `mm.2`. The image mean, std and patch size are the processor's; the MLP's activation is
+llama.cpp's default for Qwen2-VL (quick GELU, as Qwen2-VL's) and SiLU for 2.5; the norms' epsilon is
+their fixed 1e-6.
 """
 
 from __future__ import annotations
