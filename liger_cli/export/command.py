@@ -129,9 +129,10 @@ def write_and_verify(target, folder: Path, tmp: Path, name: str, family, quant: 
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     # The reference computes in f32 whatever the saved dtype: llama.cpp computes in f32 on a CPU.
-    model = model_class(read_config(folder)).from_pretrained(folder, dtype=torch.float32).eval()
+    on_disk = read_config(folder)
+    model = model_class(on_disk).from_pretrained(folder, dtype=torch.float32).eval()
     config = model.config
-    saved = str(getattr(read_config(folder), "dtype", None) or "float32").removeprefix("torch.")
+    saved = str(getattr(on_disk, "dtype", None) or "float32").removeprefix("torch.")
     generation = GenerationConfig.from_model_config(config)
     if (folder / "generation_config.json").is_file():
         generation = GenerationConfig.from_pretrained(folder)
@@ -206,7 +207,8 @@ def verify_file(path: Path, model, tokenizer, target, fmt: str, stops: list[int]
             prompts.append(renderer.ids(row))
         except (PromptError, ValueError):
             continue
-    texts += [render(tokenizer, m, generation_prompt=True) for m in conversations]
+    if fmt not in ("chat", "preference"):  # chat formats rendered them above, as prompts
+        texts += [render(tokenizer, m, generation_prompt=True) for m in conversations]
     if not prompts:
         raise UserError(
             f"no probe prompt renders in the run's format ({fmt}): its chat template refused them all"
