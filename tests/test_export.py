@@ -171,6 +171,8 @@ def trained_tokenizer(pre: str, folder: Path, chat_template: str | None = None):
     from liger_cli.export.gguf_tokenizer import LLAMA3_REGEX, QWEN2_REGEX
 
     special = ["<unk>", "<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>", "<|turn_end|>"]
+    if pre == "sentencepiece":
+        return sentencepiece_tokenizer(folder, special, chat_template)
     tokenizer = Tokenizer(models.BPE())
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.pre_tokenizer = {
@@ -193,12 +195,53 @@ def trained_tokenizer(pre: str, folder: Path, chat_template: str | None = None):
     return fast
 
 
+def sentencepiece_tokenizer(folder: Path, special: list[str], chat_template: str | None):
+    """A SentencePiece-style BPE as transformers converts Llama 2's and Mistral's: pieces learned with "▁"
+    for space (from the probe corpus with each word reversed: the probe texts split into pieces, so the
+    order of merges matters), <0x00>..<0xFF> byte-fallback tokens, merges listed for every way a token splits into two
+    (ordered by the token's id, as transformers' SentencePiece converter orders them), a "▁" prepended to
+    each text (the legacy normalizer), BOS added."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    words = Tokenizer(models.BPE())
+    words.normalizer = normalizers.Replace(" ", "\u2581")
+    words.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always")  # pieces never cross a space
+    corpus = [
+        " ".join(word[::-1] for word in line.split()) for line in PROBE_CORPUS
+    ]  # the probes split in pieces
+    words.train_from_iterator(corpus * 20, trainers.BpeTrainer(vocab_size=500, show_progress=False))
+    learned = sorted(words.get_vocab().items(), key=lambda item: item[1])
+    vocab = {
+        t: i
+        for i, t in enumerate([*special, *(f"<0x{b:02X}>" for b in range(256)), *(t for t, _ in learned)])
+    }
+    merges = [(t[:k], t[k:]) for t in vocab for k in range(1, len(t)) if t[:k] in vocab and t[k:] in vocab
+              and not t.startswith("<")]  # fmt: skip
+    tokenizer = Tokenizer(
+        models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>", fuse_unk=True)
+    )
+    tokenizer.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]
+    )
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                           decoders.Strip(" ", 1, 0)])  # fmt: skip
+    tokenizer.add_special_tokens(special)
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="<pad>", extra_special_tokens=special[4:])  # fmt: skip
+    fast.chat_template = chat_template or AutoTokenizer.from_pretrained(QUICKSTART_MODEL).chat_template
+    fast.save_pretrained(folder)
+    return fast
+
+
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip
 CASES = {  # name -> (model_type, config overrides, the pre-tokenizer its tokenizer is trained with, llama.cpp's arch)
     "llama": ("llama", {}, "llama-bpe", "llama"),
     "llama-3-rope": ("llama", {"rope_parameters": LLAMA3_ROPE}, "llama-bpe", "llama"),  # rope_freqs tensor
     "mistral": ("mistral", {"sliding_window": None}, "gpt-2", "llama"),
+    "llama-sentencepiece": ("llama", {}, "sentencepiece", "llama"),  # Llama 2's and Mistral's tokenizer kind
     "qwen2": ("qwen2", {"tie_word_embeddings": True}, "qwen2", "qwen2"),  # attention biases, tied output
     "qwen3": ("qwen3", {"head_dim": 24}, "smollm", "qwen3"),  # q/k norms, head_dim != hidden / heads
 }
@@ -227,7 +270,8 @@ def test_a_tiny_model_of_each_family_round_trips(case: str, tmp_path: Path) -> N
     assert report.largest_logprob_diff < 1e-4 and report.positions >= 20 and report.near_ties == 0, report
     reader = gguf.GGUFReader(done.path)
     assert reader.fields["general.architecture"].contents() == arch
-    assert reader.fields["tokenizer.ggml.pre"].contents() == pre
+    assert reader.fields["tokenizer.ggml.pre"].contents() == ("default" if pre == "sentencepiece" else pre)
+    assert reader.fields["tokenizer.ggml.model"].contents() == ("llama" if pre == "sentencepiece" else "gpt2")
     names = {t.name for t in reader.tensors}
     assert ("output.weight" in names) != bool(overrides.get("tie_word_embeddings"))
     assert ("rope_freqs.weight" in names) == ("rope_parameters" in overrides)
@@ -238,8 +282,8 @@ def drop_special_token(monkeypatch) -> None:
 
     real = gguf_tokenizer.token_table
 
-    def dropped(tokenizer, vocab_size):
-        texts, types = real(tokenizer, vocab_size)
+    def dropped(tokenizer, vocab_size, **kwargs):
+        texts, types = real(tokenizer, vocab_size, **kwargs)
         types[tokenizer.convert_tokens_to_ids("<|user|>")] = 1  # NORMAL: no longer parsed whole
         return texts, types
 
@@ -278,6 +322,18 @@ def no_permutation(monkeypatch) -> None:
     monkeypatch.setitem(families.FAMILIES, "llama", families.Family("LLAMA", permute_qk=False))
 
 
+def no_merge_scores(monkeypatch) -> None:
+    from liger_cli.export import gguf_tokenizer
+
+    monkeypatch.setattr(gguf_tokenizer, "merge_scores", lambda data: {})  # every pair ties: leftmost first
+
+
+def no_space_prefix(monkeypatch) -> None:
+    from liger_cli.export import gguf_tokenizer
+
+    monkeypatch.setattr(gguf_tokenizer, "space_prefix", lambda data: False)
+
+
 def no_rope_frequencies(monkeypatch) -> None:
     from liger_cli.export import gguf_file
 
@@ -290,6 +346,8 @@ BROKEN = {  # what is broken -> (how, the model, the error's words)
     "wrong pre-tokenizer": (wrong_pre_tokenizer, "llama", r"at token 6 the tokenizer has \d+ '202', llama.cpp \d+ '2'$"),
     "q/k not permuted": (no_permutation, "llama", "greedy tokens differ on prompt 0 at completion token"),
     "Llama 3 RoPE factors left out": (no_rope_frequencies, "llama-3-rope", "greedy tokens differ on prompt 0"),
+    "SentencePiece scores left out": (no_merge_scores, "llama-sentencepiece", r"at token \d+ the tokenizer has \d+ '▁', llama.cpp \d+ '▁a'"),
+    "SentencePiece space prefix left out": (no_space_prefix, "llama-sentencepiece", "at token 0 the tokenizer has"),
 }  # fmt: skip
 
 
@@ -450,7 +508,7 @@ def refused_sources(tmp_path: Path, runs: dict[str, Path]) -> dict[str, tuple[Pa
     from vlm_models import save_tiny_vlm
 
     yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
-    spm = save_tiny_model(tmp_path / "spm", "llama")
+    spm = save_tiny_model(tmp_path / "spm", "llama")  # byte fallback on a byte-level decoder: neither kind
     data = json.loads((spm / "tokenizer.json").read_text())
     data["model"]["byte_fallback"] = True
     (spm / "tokenizer.json").write_text(json.dumps(data))
@@ -464,7 +522,7 @@ def refused_sources(tmp_path: Path, runs: dict[str, Path]) -> dict[str, tuple[Pa
         "family": (save_tiny_model(tmp_path / "gemma", "gemma"), {}, "model_type gemma: liger has not verified"),
         "scaled rope": (save_tiny_model(tmp_path / "rope", "llama", rope_parameters=yarn), {}, "rope_type yarn"),
         "sliding window": (save_tiny_model(tmp_path / "swa", "mistral", sliding_window=16), {}, "sliding_window 16"),
-        "tokenizer": (spm, {}, "byte-level BPE tokenizers"),
+        "tokenizer": (spm, {}, "a BPE tokenizer with byte fallback"),
         "quant": (quickstart, {"quant": "q9"}, "--quant q9: choose one of"),
         "format": (quickstart, {"fmt": "onnx"}, "--format onnx"),
         "agreement floor on a plain type": (quickstart, {"min_agreement": 0.5}, "--min-agreement goes with a quantized"),

@@ -73,7 +73,7 @@ def export_gguf(source: Path, out: Path, fmt: str = "gguf", quant: str = "f16", 
                 say=print) -> Exported:  # fmt: skip
     from liger_cli import process_state
     from liger_cli.export.families import family_of
-    from liger_cli.export.gguf_tokenizer import pre_tokenizer_name, read_tokenizer_json
+    from liger_cli.export.gguf_tokenizer import describe
     from liger_cli.generate.load import config_source, model_folder
     from liger_cli.model import read_config
 
@@ -83,7 +83,7 @@ def export_gguf(source: Path, out: Path, fmt: str = "gguf", quant: str = "f16", 
     target, out = check_request(Path(source), Path(out), fmt, quant, min_agreement, overwrite)
     adapter = (target.weights / "adapter_config.json").is_file()
     family = family_of(read_config(config_source(target)))  # before any work: the family, the tokenizer
-    pre_tokenizer_name(read_tokenizer_json(target.weights))
+    describe(target.weights)
     if family.projector:
         runtime.multimodal_binding()
     if family.projector and not (model_folder(target) / "preprocessor_config.json").is_file():

@@ -46,7 +46,8 @@ def family_of(config) -> Family:
     kind = config.model_type
     if is_vision_language(config) and kind not in VISION_FAMILIES:
         why = (
-            "llama.cpp's own converter does not take a Hugging Face LLaVA with a CLIP tower either"
+            "llama.cpp's own converter does not take a Hugging Face LLaVA with a CLIP tower either, and its "
+            "llava graph misplaces the CLIP class token (llama.cpp issue 25814)"
             if kind == "llava" and getattr(config.vision_config, "model_type", "") == "clip_vision_model"
             else "liger does not write llama.cpp's projector file (mmproj) for it yet"
         )
