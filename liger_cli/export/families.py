@@ -25,6 +25,8 @@ class Family:
     permute_qk: bool = False
     projector: str | None = None
     """A vision-language family's llama.cpp projector type: its vision tower goes in a second file."""
+    norm_plus_one: bool = False
+    """Gemma's RMSNorms scale by (1 + weight); llama.cpp's by the weight: written as weight + 1."""
 
 
 FAMILIES = {
@@ -32,10 +34,12 @@ FAMILIES = {
     "mistral": Family("LLAMA", permute_qk=True),
     "qwen2": Family("QWEN2"),
     "qwen3": Family("QWEN3"),
+    "gemma3_text": Family("GEMMA3", norm_plus_one=True),
 }
 VISION_FAMILIES = {  # the language model as llama.cpp's qwen2vl (M-RoPE), the tower in the projector file
     "qwen2_vl": Family("QWEN2VL", projector="qwen2vl_merger"),
     "qwen2_5_vl": Family("QWEN2VL", projector="qwen2.5vl_merger"),
+    "gemma3": Family("GEMMA3", projector="gemma3", norm_plus_one=True),  # SigLIP, pooled, RMSNorm, projection
 }
 
 
@@ -63,6 +67,9 @@ def family_of(config) -> Family:
             f"model_type {kind}: liger has not verified its llama.cpp conversion; it exports "
             f"{', '.join([*FAMILIES, *VISION_FAMILIES])} (convert it with llama.cpp's convert_hf_to_gguf.py and check it yourself)"
         )
+    if found.arch == "GEMMA3":
+        gemma3_settings(config)  # its own checks: two RoPEs, a window pattern, the query scale
+        return found
     rope = rope_settings(config)
     if rope.get("rope_type", "default") not in ("default", None, "llama3"):
         raise UserError(
@@ -90,9 +97,50 @@ def head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def gemma3_settings(config) -> dict:
+    """Gemma 3's attention as llama.cpp's gemma3 architecture takes it, or a UserError naming what it
+    would compute differently. Sliding-window layers rotate with their own base and no scaling; full-
+    attention layers with the global base and, on the larger models, linear scaling; llama.cpp scales
+    queries by 1/sqrt(head_dim) (1/sqrt(hidden/heads) on the 62-layer model), where Hugging Face uses
+    query_pre_attn_scalar."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    full = dict(rope.get("full_attention") or {"rope_theta": getattr(config, "rope_theta", 1e6),
+                                               **(getattr(config, "rope_scaling", None) or {})})  # fmt: skip
+    local = dict(
+        rope.get("sliding_attention") or {"rope_theta": getattr(config, "rope_local_base_freq", 1e4)}
+    )
+    if (
+        full.get("rope_type", "default") not in ("default", "linear")
+        or local.get("rope_type", "default") != "default"
+    ):
+        raise UserError(
+            f"gemma3 RoPE {full.get('rope_type')} (full attention) / {local.get('rope_type')} (sliding): liger "
+            "exports Gemma 3's default and linear-scaled global RoPE and an unscaled local one"
+        )
+    scale = (
+        config.hidden_size // config.num_attention_heads
+        if config.num_hidden_layers == 62
+        else head_dim(config)
+    )
+    if config.query_pre_attn_scalar != scale:
+        raise UserError(
+            f"gemma3 query_pre_attn_scalar {config.query_pre_attn_scalar}: llama.cpp scales queries by "
+            f"1/sqrt({scale}) for this model; export refused rather than attend differently"
+        )
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        raise UserError(
+            "gemma3 attn_logit_softcapping: llama.cpp's gemma3 architecture has no attention soft-capping"
+        )
+    sliding = [kind == "sliding_attention" for kind in config.layer_types]
+    return {"full": full, "local": local, "sliding": sliding}
+
+
 def write_hyperparameters(writer, config) -> None:
     """The architecture's metadata llama.cpp reads to build the graph (a VLM's: its language model's)."""
     config = config.get_text_config()
+    if config.model_type.startswith("gemma3"):
+        write_gemma3_hyperparameters(writer, config)
+        return
     dim = head_dim(config)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
@@ -111,6 +159,33 @@ def write_hyperparameters(writer, config) -> None:
         writer.add_rope_dimension_sections([*sections, 0, 0, 0, 0][:4])
 
 
+def write_gemma3_hyperparameters(writer, config) -> None:
+    import gguf
+
+    found = gemma3_settings(config)
+    dim = head_dim(config)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(dim)
+    writer.add_value_length(dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_rope_freq_base(float(found["full"]["rope_theta"]))
+    if found["full"].get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(found["full"]["factor"]))
+    if any(found["sliding"]):
+        writer.add_sliding_window(config.sliding_window)
+        writer.add_sliding_window_pattern(found["sliding"])  # per layer: llama.cpp's default is every 6th
+        writer.add_rope_freq_base_swa(float(found["local"]["rope_theta"]))
+    if getattr(config, "final_logit_softcapping", None):
+        writer.add_final_logit_softcapping(float(config.final_logit_softcapping))
+
+
 def permute_qk(weight: torch.Tensor, heads: int) -> torch.Tensor:
     """Each head's rows from halves (Hugging Face's rotate_half) to interleaved pairs (llama.cpp's LLAMA)."""
     rows = weight.shape[0]
@@ -120,7 +195,10 @@ def permute_qk(weight: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def convert_tensor(name: str, tensor: torch.Tensor, family: Family, config) -> torch.Tensor:
-    """A weight as llama.cpp's architecture expects it (q/k permuted where the rotation differs)."""
+    """A weight as llama.cpp's architecture expects it (q/k permuted where the rotation differs, Gemma's
+    norms shifted by one)."""
+    if family.norm_plus_one and name.endswith("norm.weight"):
+        return tensor.float() + 1
     if family.permute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
         return permute_qk(tensor, config.num_attention_heads)
     if family.permute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):

@@ -81,7 +81,7 @@ class Runtime:
         try:
             self.model = Llama(
                 model_path=str(path), n_ctx=context, n_batch=context, n_ubatch=context, n_threads=threads(),
-                n_threads_batch=threads(), logits_all=True, verbose=False, seed=0, type_k=F32, type_v=F32,
+                n_threads_batch=threads(), logits_all=True, verbose=False, seed=0, type_k=F32, type_v=F32, swa_full=False,
             )  # fmt: skip
         except ValueError as err:
             raise RunFailed(f"llama.cpp cannot load the written {path.name}: {err}") from None
