@@ -555,7 +555,7 @@ def refused_sources(tmp_path: Path, runs: dict[str, Path]) -> dict[str, tuple[Pa
         "scaled rope": (save_tiny_model(tmp_path / "rope", "llama", rope_parameters=yarn), {}, "rope_type yarn"),
         "sliding window": (save_tiny_model(tmp_path / "swa", "mistral", sliding_window=16), {}, "sliding_window 16"),
         "Gemma 3 query scale": (save_tiny_model(tmp_path / "g3", "gemma3_text", head_dim=8, query_pre_attn_scalar=12), {},
-                                "gemma3 query_pre_attn_scalar 12: llama.cpp scales queries by 1/sqrt(8)"),
+                                "gemma3 query_pre_attn_scalar 12: llama.cpp scales queries by 1/sqrt"),
         "tokenizer": (spm, {}, "a BPE tokenizer with byte fallback"),
         "quant": (quickstart, {"quant": "q9"}, "--quant q9: choose one of"),
         "format": (quickstart, {"fmt": "onnx"}, "--format onnx"),
