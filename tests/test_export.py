@@ -463,6 +463,52 @@ def tiny_qwen_vl(path: Path, family: str) -> Path:
     return path
 
 
+def tiny_gemma3_vlm(path: Path) -> Path:
+    """A tiny Gemma 3: the GEMMA3 language model above (its window, two RoPEs, GELU), a 2-block SigLIP
+    tower on 32-pixel pictures of 4-pixel patches pooled to 4 image tokens, an unprefixed SentencePiece
+    tokenizer with Gemma's image tokens, and the image processor saved beside it."""
+    import torch
+    from transformers import AutoModelForImageTextToText, Gemma3Config, Gemma3ImageProcessor
+
+    special = ["<unk>", "<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>", "<|turn_end|>",
+               "<start_of_image>", "<end_of_image>", "<image_soft_token>"]  # fmt: skip
+    tokenizer = sentencepiece_tokenizer(path, special, None, prefix=False)
+    boi, eoi, image = tokenizer.convert_tokens_to_ids(special[-3:])
+    text = {
+        "model_type": "gemma3_text",
+        "vocab_size": len(tokenizer),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        "initializer_range": 0.25,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 3,
+        **GEMMA3,
+    }
+    vision = {
+        "model_type": "siglip_vision_model",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "image_size": 32,
+        "patch_size": 4,
+        "vision_use_head": False,
+    }
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, boi_token_index=boi,
+                          eoi_token_index=eoi, image_token_index=image, initializer_range=0.25)  # fmt: skip
+    torch.manual_seed(1)
+    model = AutoModelForImageTextToText.from_config(config)
+    with torch.no_grad():  # transformers starts the projection at zero: every picture would embed as zeros
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.25)
+    model.save_pretrained(path)
+    Gemma3ImageProcessor(size={"height": 32, "width": 32}).save_pretrained(path)
+    return path
+
+
 def swap_vision_q_and_k(monkeypatch) -> None:
     from liger_cli.export import gguf_projector
 
@@ -486,49 +532,71 @@ def window_every_block_but_the_third(monkeypatch) -> None:
     monkeypatch.setattr(gguf_projector, "window_pattern", lambda full: 3)  # the second block windowed too
 
 
-VISION = {  # family -> (llama.cpp's projector, how to break its file)
-    "qwen2_vl": ("qwen2vl_merger", swap_vision_q_and_k),
-    "qwen2_5_vl": ("qwen2.5vl_merger", window_every_block_but_the_third),
+def soft_embedding_norm_not_shifted(monkeypatch) -> None:
+    from liger_cli.export import gguf_projector
+
+    real = gguf_projector.gemma3_tensors
+
+    def unshifted(name, tensor):
+        for found, piece in real(name, tensor):
+            yield found, piece - 1 if found.endswith("mm_soft_emb_norm.weight") else piece
+
+    monkeypatch.setattr(gguf_projector, "gemma3_tensors", unshifted)
+
+
+QWEN_TENSORS = {"v.patch_embd.weight", "v.patch_embd.weight.1", "mm.0.weight", "mm.2.weight", "v.post_ln.weight",
+                "v.blk.1.attn_q.weight"}  # fmt: skip
+GEMMA3_TENSORS = {"v.patch_embd.weight", "v.position_embd.weight", "v.blk.1.attn_q.weight", "v.post_ln.weight",
+                  "mm.input_projection.weight", "mm.soft_emb_norm.weight"}  # fmt: skip
+VISION = {  # family -> (llama.cpp's projector, its language model's architecture, projector tensors, how to break it)
+    "qwen2_vl": ("qwen2vl_merger", "qwen2vl", QWEN_TENSORS, swap_vision_q_and_k),
+    "qwen2_5_vl": ("qwen2.5vl_merger", "qwen2vl", QWEN_TENSORS, window_every_block_but_the_third),
+    "gemma3": ("gemma3", "gemma3", GEMMA3_TENSORS, soft_embedding_norm_not_shifted),
 }
 
 
 @pytest.mark.parametrize("family", VISION)
 def test_a_vision_language_model_exports_with_its_projector(family: str, tmp_path: Path, monkeypatch) -> None:
-    """The language model (llama.cpp's qwen2vl, M-RoPE sections) and the projector file (`mmproj`),
-    checked together in llama.cpp: text as for every model, then a probe picture's embeddings (llama.cpp's
-    mtmd, its own preprocessing) against the model's tower and projector, and the next token after a
-    prompt holding it. A broken projector file (Qwen2-VL's vision q and k swapped; Qwen2.5-VL's full-
-    attention block windowed) is caught at the embeddings and leaves nothing."""
+    """The language model (llama.cpp's qwen2vl with M-RoPE sections, or gemma3) and the projector file
+    (`mmproj`), checked together in llama.cpp: text as for every model, then a probe picture's embeddings
+    (llama.cpp's mtmd, its own preprocessing) against the model's tower and projector, and the next token
+    after a prompt holding it. A broken projector file (Qwen2-VL's vision q and k swapped; Qwen2.5-VL's
+    full-attention block windowed; Gemma 3's soft-embedding norm not shifted by one) is caught at the
+    embeddings and leaves nothing."""
     import gguf
 
     from liger_cli.export.families import VISION_FAMILIES
     from liger_cli.export.verify import ExportMismatch
 
     assert set(VISION) == set(VISION_FAMILIES)  # every vision-language family liger exports is walked here
-    projector_type, breaks = VISION[family]
-    model = tiny_qwen_vl(tmp_path / family, family)
+    projector_type, arch, tensors, breaks = VISION[family]
+    path = tmp_path / family
+    model = tiny_gemma3_vlm(path) if family == "gemma3" else tiny_qwen_vl(path, family)
     done = export(model, tmp_path / "out", quant="f32", ollama=True)
-    names = sorted(p.name for p in (tmp_path / "out").iterdir())
-    assert names == [
+    names = {p.name for p in (tmp_path / "out").iterdir()}
+    assert names == {
         ".liger-export",
         "Modelfile",
         "export.json",
         f"mmproj-{family}-f32.gguf",
         f"{family}-f32.gguf",
-    ]
+    }
     modelfile = (tmp_path / "out" / "Modelfile").read_text()
     assert modelfile.startswith(f"FROM ./{family}-f32.gguf\n# mmproj-{family}-f32.gguf is for llama.cpp")
     assert "Ollama does not take a separate projector" in modelfile
     report = done.report
-    assert report.largest_logprob_diff < 1e-3 and report.near_ties == 0 and report.positions >= 20, report
+    assert report.largest_logprob_diff < (5e-3 if family == "gemma3" else 1e-3), (
+        report
+    )  # Gemma's GELU: f16 table
+    assert report.near_ties == 0 and report.positions >= 20, report
     assert report.image_embedding_diff < 2e-3 and report.image_logprob_diff < 1e-2, report
     text = gguf.GGUFReader(done.path).fields
-    assert text["general.architecture"].contents() == "qwen2vl"
-    assert text["qwen2vl.rope.dimension_sections"].contents() == [2, 1, 1, 0]
+    assert text["general.architecture"].contents() == arch
+    if arch == "qwen2vl":
+        assert text["qwen2vl.rope.dimension_sections"].contents() == [2, 1, 1, 0]
     projector = gguf.GGUFReader(tmp_path / "out" / f"mmproj-{family}-f32.gguf")
     assert projector.fields["clip.projector_type"].contents() == projector_type
-    assert {t.name for t in projector.tensors} >= {"v.patch_embd.weight", "v.patch_embd.weight.1", "mm.0.weight",
-                                                   "mm.2.weight", "v.post_ln.weight", "v.blk.1.attn_q.weight"}  # fmt: skip
+    assert {t.name for t in projector.tensors} >= tensors
     breaks(monkeypatch)
     with pytest.raises(ExportMismatch, match="llama.cpp encodes the probe image differently"):
         export(model, tmp_path / "broken", quant="f32")

@@ -76,19 +76,18 @@ def write_gguf(folder: Path, path: Path, config, family: Family, tokenizer, out_
     return pre
 
 
-VISION_PREFIXES = ("visual.", "model.visual.")
+VISION_PREFIXES = ("visual.", "model.visual.", "vision_tower.", "model.vision_tower.", "multi_modal_projector.",
+                   "model.multi_modal_projector.")  # fmt: skip
 
 
 def language_name(name: str) -> str | None:
-    """A checkpoint name as the language model's (a VLM's `model.language_model.` prefix dropped), or None
-    for the vision tower's and projector's weights."""
+    """A checkpoint name as the language model's (a VLM's `model.language_model.` or, in the layout Gemma 3
+    is saved in, `language_model.` prefix dropped), or None for the vision tower's and projector's weights."""
     if name.startswith(VISION_PREFIXES):
         return None
-    return (
-        "model." + name.removeprefix("model.language_model.")
-        if name.startswith("model.language_model.")
-        else name
-    )
+    if name.startswith("model.language_model."):
+        return "model." + name.removeprefix("model.language_model.")
+    return name.removeprefix("language_model.")
 
 
 def plain_types() -> tuple[dict, dict]:

@@ -8,6 +8,10 @@ fused qkv projection is split into q, k and v; the merger's norm is `v.post_ln` 
 `mm.0` and `mm.2`. The image mean, std and patch size are the processor's; the MLP's activation is
 llama.cpp's default for Qwen2-VL (quick GELU, as Qwen2-VL's) and SiLU for 2.5; the norms' epsilon is
 their fixed 1e-6.
+
+Gemma 3 (`gemma3`): a SigLIP tower at a fixed image size, its patches average-pooled to
+mm_tokens_per_image (llama.cpp's scale factor: patches per side over pooled tokens per side), an RMSNorm
+(Gemma's, so its weight + 1) and a projection llama.cpp reads in Hugging Face's layout.
 """
 
 from __future__ import annotations
@@ -48,19 +52,75 @@ def window_pattern(full: list[int]) -> int:
     return n
 
 
+def gemma3_tensors(name: str, tensor: torch.Tensor):
+    """Gemma 3's projector weights under the names llama.cpp's map knows (its soft-embedding norm + 1)."""
+    name = name.removeprefix("model.").replace("mm_input_projection_weight", "mm_input_projection.weight")
+    if name.startswith("vision_tower.") and not name.startswith("vision_tower.vision_model."):
+        name = "vision_tower.vision_model." + name.removeprefix("vision_tower.")  # as transformers 5 saves it
+    yield name, tensor.float() + 1 if name.endswith("mm_soft_emb_norm.weight") else tensor
+
+
+def write_gemma3_settings(writer, config) -> None:
+    vision = config.vision_config
+    side = vision.image_size // vision.patch_size
+    pooled = round(config.mm_tokens_per_image**0.5)
+    if pooled**2 != config.mm_tokens_per_image or side % pooled:
+        raise UserError(
+            f"gemma3 mm_tokens_per_image {config.mm_tokens_per_image} over {side}x{side} patches: llama.cpp pools "
+            "a square of patches into each token"
+        )
+    writer.add_vision_image_size(vision.image_size)
+    writer.add_vision_embedding_length(vision.hidden_size)
+    writer.add_vision_feed_forward_length(vision.intermediate_size)
+    writer.add_vision_block_count(vision.num_hidden_layers)
+    writer.add_vision_head_count(vision.num_attention_heads)
+    writer.add_vision_attention_layernorm_eps(vision.layer_norm_eps)
+    writer.add_vision_use_gelu(True)
+    writer.add_vision_projector_scale_factor(side // pooled)
+
+
 def write_projector(folder: Path, path: Path, config, family, image_processor, out_type: str) -> None:
     import gguf
 
     vision, text = config.vision_config, config.get_text_config()
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(vision.depth, 3))  # the merger's mlp.2 too
+    gemma3 = family.projector == "gemma3"
+    depth = vision.num_hidden_layers if gemma3 else vision.depth
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(depth, 3))  # Qwen's merger's mlp.2 too
     tensor_types, file_types = plain_types()
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MMPROJ])
     writer.add_file_type(file_types[out_type])
     writer.add_clip_has_vision_encoder(True)
     writer.add_clip_projector_type(family.projector)
     writer.add_vision_projection_dim(text.hidden_size)
-    writer.add_vision_image_size(IMAGE_SIZE)
     writer.add_vision_patch_size(vision.patch_size)
+    writer.add_vision_image_mean([float(v) for v in image_processor.image_mean])
+    writer.add_vision_image_std([float(v) for v in image_processor.image_std])
+    if gemma3:
+        write_gemma3_settings(writer, config)
+    else:
+        write_qwen_settings(writer, config, family)
+    for hf_name, tensor in model_tensors(folder):
+        if not hf_name.startswith(VISION_PREFIXES):
+            continue
+        for name, piece in (gemma3_tensors if gemma3 else vision_tensors)(hf_name, tensor):
+            gguf_name = (
+                name if name.startswith("v.") else names.get_name(name, try_suffixes=(".weight", ".bias"))
+            )
+            if gguf_name is None:
+                raise UserError(f"tensor {hf_name} has no name in llama.cpp's {family.projector} projector")
+            data = piece.to(torch.float32).numpy()
+            plain = data.ndim == 1 or ".embeddings." in name  # llama.cpp's converter keeps SigLIP's in f32
+            qtype = gguf.GGMLQuantizationType.F32 if plain else tensor_types[out_type]
+            writer.add_tensor(gguf_name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def write_qwen_settings(writer, config, family) -> None:
+    vision = config.vision_config
+    writer.add_vision_image_size(IMAGE_SIZE)
     width = (
         getattr(vision, "embed_dim", None) or vision.hidden_size
     )  # Qwen2-VL names it embed_dim, 2.5 hidden_size
@@ -73,22 +133,4 @@ def write_projector(folder: Path, path: Path, config, family, image_processor, o
         writer.add_vision_n_wa_pattern(window_pattern(vision.fullatt_block_indexes))
     writer.add_vision_head_count(vision.num_heads)
     writer.add_vision_attention_layernorm_eps(QWEN2_VL_NORM_EPS)
-    writer.add_vision_image_mean([float(v) for v in image_processor.image_mean])
-    writer.add_vision_image_std([float(v) for v in image_processor.image_std])
     writer.add_vision_spatial_merge_size(vision.spatial_merge_size)
-    for hf_name, tensor in model_tensors(folder):
-        if not hf_name.startswith(VISION_PREFIXES):
-            continue
-        for name, piece in vision_tensors(hf_name, tensor):
-            gguf_name = (
-                name if name.startswith("v.") else names.get_name(name, try_suffixes=(".weight", ".bias"))
-            )
-            if gguf_name is None:
-                raise UserError(f"tensor {hf_name} has no name in llama.cpp's {family.projector} projector")
-            data = piece.to(torch.float32).numpy()
-            qtype = gguf.GGMLQuantizationType.F32 if data.ndim == 1 else tensor_types[out_type]
-            writer.add_tensor(gguf_name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()

@@ -47,7 +47,29 @@ def multimodal_binding():
             f"this llama-cpp-python has no multimodal library (mtmd: {err}), which a vision-language export "
             "is checked with: reinstall it built with it (bash scripts/setup.sh does)"
         ) from None
+    mtmd_cpp.mtmd_log_set(errors_only(), ctypes.c_void_p(0))  # its progress lines are not the user's
+    mtmd_cpp.mtmd_helper_log_set(errors_only(), ctypes.c_void_p(0))
     return mtmd_cpp
+
+
+_ERRORS_ONLY = []
+
+
+def errors_only():
+    """A llama.cpp log callback that passes its errors to stderr and drops the rest (kept alive here:
+    llama.cpp holds only the pointer)."""
+    if not _ERRORS_ONLY:
+        import sys
+
+        import llama_cpp
+
+        @llama_cpp.llama_log_callback
+        def callback(level, text, user_data):
+            if level == 3:  # GGML_LOG_LEVEL_ERROR
+                sys.stderr.write(text.decode("utf-8", errors="replace"))
+
+        _ERRORS_ONLY.append(callback)
+    return _ERRORS_ONLY[0]
 
 
 def threads() -> int:
@@ -81,7 +103,8 @@ class Runtime:
         try:
             self.model = Llama(
                 model_path=str(path), n_ctx=context, n_batch=context, n_ubatch=context, n_threads=threads(),
-                n_threads_batch=threads(), logits_all=True, verbose=False, seed=0, type_k=F32, type_v=F32, swa_full=False,
+                n_threads_batch=threads(), logits_all=True, verbose=False, seed=0, type_k=F32, type_v=F32,
+                swa_full=False,  # a windowed model's cache holds its window (the full one says so on stderr)
             )  # fmt: skip
         except ValueError as err:
             raise RunFailed(f"llama.cpp cannot load the written {path.name}: {err}") from None

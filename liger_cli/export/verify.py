@@ -15,6 +15,7 @@ The first failure raises ExportMismatch naming the first differing token or text
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -147,6 +148,10 @@ def text_bound(out_type: str, config) -> float | None:
     return BOUNDS.get(out_type)
 
 
+def nan_first(value: float) -> float:
+    return math.inf if math.isnan(value) else value
+
+
 def check_next_tokens(runtime, model, prompts, completions, out_type: str, floor: float | None,
                       report: Report) -> None:  # fmt: skip
     """Teacher-forced on liger's greedy completions: at each completion position llama.cpp saw the
@@ -160,7 +165,8 @@ def check_next_tokens(runtime, model, prompts, completions, out_type: str, floor
         want, got = reference_log_probs(model, ids)[rows], runtime.log_probs(ids)[rows]
         want, got = want[:, : got.shape[-1]], got[:, : want.shape[-1]]
         kl_sum += float((want.exp() * (want - got)).sum(-1).sum())
-        report.largest_logprob_diff = max(report.largest_logprob_diff, float((want - got).abs().max()))
+        diff = float((want - got).abs().max())
+        report.largest_logprob_diff = max(report.largest_logprob_diff, diff, key=nan_first)  # NaN fails below
         for j, token in enumerate(completion):
             top = int(got[j].argmax())
             total += 1
@@ -178,7 +184,7 @@ def check_next_tokens(runtime, model, prompts, completions, out_type: str, floor
     report.prompts, report.positions = len(prompts), total
     report.agreement = agree / max(total, 1)
     report.mean_kl = kl_sum / max(total, 1)
-    if bound is not None and report.largest_logprob_diff > bound:
+    if bound is not None and not report.largest_logprob_diff <= bound:
         raise ExportMismatch(
             f"llama.cpp's next-token log-probs differ from the model's by up to {report.largest_logprob_diff:.3g} "
             f"(bound for {out_type}: {bound:g})"
@@ -200,40 +206,60 @@ def check_stops(runtime, stops: list[int], report: Report) -> None:
     report.stops = tuple(sorted(stops))
 
 
-def probe_image():
-    """224 x 112 RGB, a colour gradient: a size both llama.cpp's Qwen2-VL preprocessing and the processor
-    take as it is (32 merged image tokens; two of Qwen2.5-VL's 112-pixel attention windows), so both encode
-    the same pixels."""
+def probe_image(width: int = 224, height: int = 112):
+    """A colour gradient, width x height RGB. Qwen2-VL's is 224 x 112: a size both llama.cpp's
+    preprocessing and the processor take as it is (32 merged image tokens; two of Qwen2.5-VL's 112-pixel
+    attention windows); Gemma 3's is its fixed image size. Both sides encode the same pixels."""
     import numpy as np
 
-    y, x = np.mgrid[0:112, 0:224]
+    y, x = np.mgrid[0:height, 0:width]
     return np.stack([(x * 2) % 256, (y * 4) % 256, ((x + y) * 3) % 256], axis=-1).astype(np.uint8)
+
+
+def image_prompt(model, tokenizer, image_processor, before: str, after: str):
+    """The probe image, the model's inputs for `before` + the image + `after` as its processor lays the
+    image out (llama.cpp's mtmd lays it out its own way: the ids must agree), and its image features."""
+    from PIL import Image
+
+    config = model.config
+    gemma3 = config.model_type == "gemma3"
+    side = config.vision_config.image_size if gemma3 else None
+    rgb = probe_image(side, side) if gemma3 else probe_image()
+    pixels = image_processor(images=[Image.fromarray(rgb)], return_tensors="pt")
+    if gemma3:  # <start_of_image>, the pooled image tokens, <end_of_image>; image tokens attend both ways
+        marks, count = (
+            (config.boi_token_index, config.image_token_index, config.eoi_token_index),
+            config.mm_tokens_per_image,
+        )
+        grid, kinds_name = {}, "token_type_ids"
+    else:  # <|vision_start|>, the merged patches' tokens, <|vision_end|>; M-RoPE positions from the grid
+        marks = (config.vision_start_token_id, config.image_token_id, config.vision_end_token_id)
+        count = int(pixels["image_grid_thw"].prod()) // config.vision_config.spatial_merge_size**2
+        grid, kinds_name = {"image_grid_thw": pixels["image_grid_thw"]}, "mm_token_type_ids"
+    start, pad, end = tokenizer.convert_ids_to_tokens(list(marks))
+    ids = tokenizer(before + start + pad * count + end + after, add_special_tokens=False, return_tensors="pt")
+    kinds = (ids["input_ids"] == config.image_token_id).long()  # the processor's marks: 1 for an image token
+    with torch.no_grad():
+        features = model.model.get_image_features(pixels["pixel_values"], **grid).pooler_output[0]
+    inputs = {
+        "input_ids": ids["input_ids"],
+        "pixel_values": pixels["pixel_values"],
+        kinds_name: kinds,
+        **grid,
+    }
+    return rgb, inputs, features
 
 
 def check_image(runtime, projector, model, tokenizer, image_processor, out_type: str, report: Report) -> None:
     """A probe image through both: its embeddings (the model's tower and projector on its image processor's
     pixels, against llama.cpp's mtmd on the projector file with its own preprocessing), then the next token
     after a prompt holding it (the language model file, M-RoPE positions included)."""
-    from PIL import Image
-
     from liger_cli.export.runtime import MEDIA
 
-    config = model.config
-    start, pad, end = tokenizer.convert_ids_to_tokens(
-        [config.vision_start_token_id, config.image_token_id, config.vision_end_token_id]
-    )
     before, after = "Look at this picture: ", " What colour is it?"
-    rgb = probe_image()
-    pixels = image_processor(images=[Image.fromarray(rgb)], return_tensors="pt")
-    count = int(pixels["image_grid_thw"].prod()) // config.vision_config.spatial_merge_size**2
-    ids = tokenizer(before + start + pad * count + end + after, add_special_tokens=False, return_tensors="pt")
-    kinds = (ids["input_ids"] == config.image_token_id).long()  # the processor's marks: 1 for an image token
+    rgb, inputs, embedded = image_prompt(model, tokenizer, image_processor, before, after)
     with torch.no_grad():
-        logits = model(input_ids=ids["input_ids"], pixel_values=pixels["pixel_values"], mm_token_type_ids=kinds,
-                       image_grid_thw=pixels["image_grid_thw"]).logits[0, -1]  # fmt: skip
-        embedded = model.model.get_image_features(
-            pixels["pixel_values"], pixels["image_grid_thw"]
-        ).pooler_output[0]
+        logits = model(**inputs).logits[0, -1]
     want = torch.log_softmax(logits.double(), dim=-1)
     embeddings, got = runtime.image_log_probs(projector, before + MEDIA + after, rgb, embedded.shape[-1])
     got = got[: want.shape[-1]]
@@ -245,12 +271,12 @@ def check_image(runtime, projector, model, tokenizer, image_processor, out_type:
         )
     report.image_embedding_diff = float((embeddings - embedded).abs().max() / embedded.abs().max())
     report.image_logprob_diff = float((want - got).abs().max())
-    if report.image_embedding_diff > tower_bound:
+    if not report.image_embedding_diff <= tower_bound:  # NaN fails too
         raise ExportMismatch(
             f"llama.cpp encodes the probe image differently: its embeddings differ from the model's by up to "
             f"{report.image_embedding_diff:.3g} of their largest value (bound: {tower_bound:g})"
         )
-    if bound is not None and report.image_logprob_diff > bound:
+    if bound is not None and not report.image_logprob_diff <= bound:
         raise ExportMismatch(
             f"after an image prompt llama.cpp's next-token log-probs differ from the model's by up to "
             f"{report.image_logprob_diff:.3g} (bound for {out_type}: {bound:g})"
