@@ -165,8 +165,7 @@ def trained_tokenizer(pre: str, folder: Path, chat_template: str | None = None):
     """A byte-level BPE trained here with llama.cpp pre-tokenizer `pre`'s splitting, so that its merges
     depend on it (Llama 3's regex learns "123", SmolLM's digits never merge), with the quickstart's
     special tokens, BOS prefix and chat template; saved in `folder`."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from liger_cli.export.gguf_tokenizer import LLAMA3_REGEX, QWEN2_REGEX
 
@@ -187,6 +186,15 @@ def trained_tokenizer(pre: str, folder: Path, chat_template: str | None = None):
     trainer = trainers.BpeTrainer(vocab_size=700, special_tokens=special, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
     tokenizer.train_from_iterator(PROBE_CORPUS * 20, trainer)
+    return save_fast(tokenizer, folder, special, chat_template)
+
+
+def save_fast(tokenizer, folder: Path, special: list[str], chat_template: str | None):
+    """`tokenizer` with BOS added, the quickstart's special tokens and chat template, saved as a fast
+    tokenizer in `folder`."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
     tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
                                    pad_token="<pad>", extra_special_tokens=special[4:])  # fmt: skip
@@ -201,8 +209,7 @@ def sentencepiece_tokenizer(folder: Path, special: list[str], chat_template: str
     order of merges matters), <0x00>..<0xFF> byte-fallback tokens, merges listed for every way a token splits into two
     (ordered by the token's id, as transformers' SentencePiece converter orders them), a "▁" prepended to
     each text (the legacy normalizer; Gemma's prepends none), BOS added."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     words = Tokenizer(models.BPE())
     words.normalizer = normalizers.Replace(" ", "\u2581")
@@ -227,12 +234,7 @@ def sentencepiece_tokenizer(folder: Path, special: list[str], chat_template: str
     tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
                                            decoders.Strip(" ", 1, 0)])  # fmt: skip
     tokenizer.add_special_tokens(special)
-    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                   pad_token="<pad>", extra_special_tokens=special[4:])  # fmt: skip
-    fast.chat_template = chat_template or AutoTokenizer.from_pretrained(QUICKSTART_MODEL).chat_template
-    fast.save_pretrained(folder)
-    return fast
+    return save_fast(tokenizer, folder, special, chat_template)
 
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,

@@ -138,9 +138,6 @@ def gemma3_settings(config) -> dict:
 def write_hyperparameters(writer, config) -> None:
     """The architecture's metadata llama.cpp reads to build the graph (a VLM's: its language model's)."""
     config = config.get_text_config()
-    if config.model_type.startswith("gemma3"):
-        write_gemma3_hyperparameters(writer, config)
-        return
     dim = head_dim(config)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
@@ -151,29 +148,22 @@ def write_hyperparameters(writer, config) -> None:
     writer.add_key_length(dim)
     writer.add_value_length(dim)
     writer.add_rope_dimension_count(dim)
-    writer.add_rope_freq_base(float(rope_settings(config)["rope_theta"]))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
+    if config.model_type.startswith("gemma3"):
+        write_gemma3_attention(writer, config)
+        return
+    writer.add_rope_freq_base(float(rope_settings(config)["rope_theta"]))
     sections = rope_settings(config).get("mrope_section")
     if sections:  # M-RoPE: the rotary dimensions given to time, height and width (llama.cpp takes four)
         writer.add_rope_dimension_sections([*sections, 0, 0, 0, 0][:4])
 
 
-def write_gemma3_hyperparameters(writer, config) -> None:
+def write_gemma3_attention(writer, config) -> None:
+    """Gemma 3's RoPEs, window pattern and soft-cap (gemma3_settings checked them)."""
     import gguf
 
     found = gemma3_settings(config)
-    dim = head_dim(config)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(dim)
-    writer.add_value_length(dim)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_vocab_size(config.vocab_size)
     writer.add_rope_freq_base(float(found["full"]["rope_theta"]))
     if found["full"].get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
