@@ -24,6 +24,28 @@ from liger_cli.run import verify
 MERGE_MARKER = ".liger-merge"
 
 
+def check_output_folder(out: Path, precious: dict[Path, str], marker: str, overwrite: bool, flag: str,
+                        command: str) -> Path:  # fmt: skip
+    """OUT for a command that writes a folder, checked before any work: not a file, not one of the
+    `precious` folders (what each is) or a parent of it, and, if not empty, replaced only with
+    `overwrite` and only when `command` wrote it (it holds `marker`). Returns OUT resolved."""
+    resolved = Path(out).expanduser().resolve()
+    for folder, what in precious.items():
+        if Path(folder).resolve().is_relative_to(resolved):
+            raise UserError(f"{flag} {out} is {what} or a parent of it: choose another folder")
+    if resolved.exists() and not resolved.is_dir():
+        raise UserError(f"{flag} {out} is a file: choose a folder")
+    if resolved.is_dir() and any(resolved.iterdir()):
+        if not overwrite:
+            raise UserError(f"{flag} {out} is not empty: choose another folder or pass --overwrite")
+        if not (resolved / marker).is_file():
+            raise UserError(
+                f"refusing to replace {out}: {command} did not write it (no {marker}); "
+                "choose another folder or remove it yourself"
+            )
+    return resolved
+
+
 def check_merge(run_dir: Path, out_dir: Path, overwrite: bool) -> tuple[Path, str]:
     """Every check before anything is loaded or written; the adapter folder and its base model."""
     adapter_dir = run_dir / "final"
@@ -40,20 +62,8 @@ def check_merge(run_dir: Path, out_dir: Path, overwrite: bool) -> tuple[Path, st
         ) from None
     if not Path(base).is_dir():
         raise UserError(f"the adapter's base model folder is gone: {base}")
-    out = out_dir.resolve()
-    for precious, what in ((run_dir, "the run folder"), (Path(base), "the base model folder")):
-        if precious.resolve().is_relative_to(out):
-            raise UserError(f"OUT_DIR {out_dir} is {what} or a parent of it: choose another folder")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UserError(f"OUT_DIR {out_dir} is a file: choose a folder")
-    if out_dir.is_dir() and any(out_dir.iterdir()):
-        if not overwrite:
-            raise UserError(f"{out_dir} is not empty: choose another folder or pass --overwrite")
-        if not (out_dir / MERGE_MARKER).is_file():
-            raise UserError(
-                f"refusing to replace {out_dir}: liger did not write it (no {MERGE_MARKER}); "
-                "choose another folder or remove it yourself"
-            )
+    check_output_folder(out_dir, {run_dir: "the run folder", Path(base): "the base model folder"}, MERGE_MARKER,
+                        overwrite, "OUT_DIR", "liger merge")  # fmt: skip
     return adapter_dir, base
 
 

@@ -36,6 +36,7 @@ def check_request(
 ):
     """The command line's choices, the source and OUT, checked before anything is loaded."""
     from liger_cli.generate.load import find_target
+    from liger_cli.merge import check_output_folder
 
     if fmt != "gguf":
         raise UserError(f"--format {fmt}: liger exports gguf (llama.cpp, Ollama, LM Studio)")
@@ -53,17 +54,10 @@ def check_request(
             f"{source} is a{'n' if target.kind == 'adapter' else ''} {target.kind}: give a finished run's folder "
             "(its adapter is merged as liger merge merges it) or a full model folder"
         )
-    out = out.expanduser().resolve()
-    for precious in (target.weights, target.base, target.recipe and target.weights.parent):
-        if precious and Path(precious).resolve().is_relative_to(out):
-            raise UserError(f"--out {out} is the source or a parent of it: choose another folder")
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} is a file: choose a folder")
-    if out.is_dir() and any(out.iterdir()):
-        if not overwrite:
-            raise UserError(f"--out {out} is not empty: choose another folder or pass --overwrite")
-        if not (out / EXPORT_MARKER).is_file():
-            raise UserError(f"refusing to replace {out}: liger export did not write it (no {EXPORT_MARKER})")
+    precious = {target.weights: "the source", target.base: "the source's base model",
+                target.recipe and target.weights.parent: "the run folder"}  # fmt: skip
+    out = check_output_folder(out, {k: v for k, v in precious.items() if k}, EXPORT_MARKER, overwrite, "--out",
+                              "liger export")  # fmt: skip
     runtime.binding()  # installed, or a UserError saying how
     return target, out
 
@@ -73,7 +67,7 @@ def export_gguf(source: Path, out: Path, fmt: str = "gguf", quant: str = "f16", 
                 say=print) -> Exported:  # fmt: skip
     from liger_cli import process_state
     from liger_cli.export.families import family_of
-    from liger_cli.export.gguf_tokenizer import describe
+    from liger_cli.export.gguf_tokenizer import describe, read_tokenizer_json
     from liger_cli.generate.load import config_source, model_folder
     from liger_cli.model import read_config
 
@@ -83,7 +77,7 @@ def export_gguf(source: Path, out: Path, fmt: str = "gguf", quant: str = "f16", 
     target, out = check_request(Path(source), Path(out), fmt, quant, min_agreement, overwrite)
     adapter = (target.weights / "adapter_config.json").is_file()
     family = family_of(read_config(config_source(target)))  # before any work: the family, the tokenizer
-    describe(target.weights)
+    describe(read_tokenizer_json(target.weights))
     if family.projector:
         runtime.multimodal_binding()
     if family.projector and not (model_folder(target) / "preprocessor_config.json").is_file():

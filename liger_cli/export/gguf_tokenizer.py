@@ -98,10 +98,9 @@ def space_prefix(tokenizer_json: dict) -> bool:
     )
 
 
-def describe(folder: Path) -> tuple[str, str]:
-    """(llama.cpp's tokenizer model, its pre-tokenizer name) for the folder's tokenizer, or a UserError:
+def describe(found: dict) -> tuple[str, str]:
+    """(llama.cpp's tokenizer model, its pre-tokenizer name) for a tokenizer.json, or a UserError:
     checked before any work."""
-    found = read_tokenizer_json(folder)
     kind = tokenizer_model(found)
     return kind, pre_tokenizer_name(found) if kind == "gpt2" else "default"
 
@@ -158,7 +157,7 @@ def write_tokenizer(writer, folder: Path, tokenizer, vocab_size: int, turn_end: 
 
     logging.getLogger("gguf").setLevel(logging.ERROR)  # its notes on template parsing are not the user's
     found = read_tokenizer_json(folder)
-    kind, pre = describe(folder)
+    kind, pre = describe(found)
     texts, types = token_table(tokenizer, vocab_size, byte_tokens=kind == "llama")
     writer.add_tokenizer_model(kind)
     writer.add_tokenizer_pre(pre)
