@@ -428,40 +428,47 @@ def test_a_chat_models_end_of_turn_is_where_llama_cpp_stops(tmp_path: Path, monk
 
 
 def tiny_qwen_vl(path: Path, family: str) -> Path:
-    """A tiny Qwen2-VL (vlm_models.py's) or Qwen2.5-VL (two blocks: the first in 112-pixel windows, the
-    second full) with larger weights (peaked distributions), Qwen-VL's own RMSNorm epsilon (1e-6) and the
-    image processor saved beside it."""
+    """A tiny Qwen2-VL (vlm_models.py's), Qwen2.5-VL (two blocks: the first in 112-pixel windows, the
+    second full) or Qwen3-VL (Qwen3-VL's rotary layout: 128-wide heads, interleaved sections 24/20/20, base
+    5e6; a 3-block tower of 16-pixel patches whose 4 x 4 position grid is interpolated, deepstack mergers
+    on its first two blocks) with larger weights (peaked distributions), Qwen-VL's own RMSNorm epsilon
+    (1e-6) and the image processor saved beside it."""
     import torch
     from conftest import tiny_llama_settings
-    from transformers import (
-        AutoConfig,
-        AutoModelForImageTextToText,
-        Qwen2_5_VLConfig,
-        Qwen2VLImageProcessorPil,
-    )
+    from transformers import AutoConfig, AutoModelForImageTextToText, Qwen2VLImageProcessorPil
     from vlm_models import QWEN_TOKENS, _tokenizer, qwen2_vl_config
 
     tokenizer = _tokenizer(QWEN_TOKENS)
+    ids = dict(zip(("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"),
+                   tokenizer.convert_tokens_to_ids(QWEN_TOKENS), strict=True))  # fmt: skip
+    settings, processor = {**tiny_llama_settings(tokenizer), "rms_norm_eps": 1e-6}, {}
     if family == "qwen2_vl":
         config = qwen2_vl_config(tokenizer)
         config.text_config.rms_norm_eps = 1e-6
-    else:
-        ids = dict(zip(("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"),
-                       tokenizer.convert_tokens_to_ids(QWEN_TOKENS), strict=True))  # fmt: skip
-        text = AutoConfig.for_model("qwen2_5_vl_text", **{**tiny_llama_settings(tokenizer), "rms_norm_eps": 1e-6,
-                                    "rope_parameters": {"rope_type": "default", "mrope_section": [2, 1, 1]}})  # fmt: skip
+    elif family == "qwen2_5_vl":
+        text = AutoConfig.for_model("qwen2_5_vl_text", **settings,
+                                    rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1]})  # fmt: skip
         vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 4, "out_hidden_size": 32,
                   "window_size": 112, "fullatt_block_indexes": [1], "patch_size": 14, "spatial_merge_size": 2,
                   "temporal_patch_size": 2, "in_channels": 3, "hidden_act": "silu"}  # fmt: skip
-        config = Qwen2_5_VLConfig(
-            text_config=text.to_dict(), vision_config=vision, tie_word_embeddings=False, **ids
-        )
+        config = AutoConfig.for_model("qwen2_5_vl", text_config=text.to_dict(), vision_config=vision,
+                                      tie_word_embeddings=False, **ids)  # fmt: skip
+    else:
+        settings["num_hidden_layers"] = 3  # llama.cpp adds deepstack features to layers before the last
+        text = AutoConfig.for_model("qwen3_vl_text", **settings, head_dim=128, rope_parameters={
+            "rope_type": "default", "rope_theta": 5e6, "mrope_section": [24, 20, 20], "mrope_interleaved": True})  # fmt: skip
+        vision = {"depth": 3, "hidden_size": 32, "intermediate_size": 64, "num_heads": 4, "out_hidden_size": 32,
+                  "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3,
+                  "num_position_embeddings": 16, "deepstack_visual_indexes": [0, 1]}  # fmt: skip
+        config = AutoConfig.for_model("qwen3_vl", text_config=text.to_dict(), vision_config=vision,
+                                      tie_word_embeddings=False, **ids)  # fmt: skip
+        processor = {"patch_size": 16, "image_mean": [0.5] * 3, "image_std": [0.5] * 3}  # Qwen3-VL's
     for part in (config, config.text_config, config.vision_config):
         part.initializer_range = 0.2
     torch.manual_seed(1)
     AutoModelForImageTextToText.from_config(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
-    Qwen2VLImageProcessorPil().save_pretrained(path)
+    Qwen2VLImageProcessorPil(**processor).save_pretrained(path)
     return path
 
 
@@ -534,6 +541,15 @@ def window_every_block_but_the_third(monkeypatch) -> None:
     monkeypatch.setattr(gguf_projector, "window_pattern", lambda full: 3)  # the second block windowed too
 
 
+def deepstack_under_the_wrong_blocks(monkeypatch) -> None:
+    from liger_cli.export import gguf_projector
+
+    real = gguf_projector.qwen3vl_tensors
+    monkeypatch.setattr(
+        gguf_projector, "qwen3vl_tensors", lambda name, tensor, blocks: real(name, tensor, blocks[::-1])
+    )
+
+
 def soft_embedding_norm_not_shifted(monkeypatch) -> None:
     from liger_cli.export import gguf_projector
 
@@ -548,11 +564,15 @@ def soft_embedding_norm_not_shifted(monkeypatch) -> None:
 
 QWEN_TENSORS = {"v.patch_embd.weight", "v.patch_embd.weight.1", "mm.0.weight", "mm.2.weight", "v.post_ln.weight",
                 "v.blk.1.attn_q.weight"}  # fmt: skip
+QWEN3_TENSORS = {"v.patch_embd.weight", "v.patch_embd.weight.1", "v.patch_embd.bias", "v.position_embd.weight",
+                 "v.blk.2.attn_qkv.weight", "v.deepstack.0.norm.weight", "v.deepstack.1.fc2.weight", "mm.0.weight",
+                 "mm.2.weight", "v.post_ln.weight"}  # fmt: skip
 GEMMA3_TENSORS = {"v.patch_embd.weight", "v.position_embd.weight", "v.blk.1.attn_q.weight", "v.post_ln.weight",
                   "mm.input_projection.weight", "mm.soft_emb_norm.weight"}  # fmt: skip
 VISION = {  # family -> (llama.cpp's projector, its language model's architecture, projector tensors, how to break it)
     "qwen2_vl": ("qwen2vl_merger", "qwen2vl", QWEN_TENSORS, swap_vision_q_and_k),
     "qwen2_5_vl": ("qwen2.5vl_merger", "qwen2vl", QWEN_TENSORS, window_every_block_but_the_third),
+    "qwen3_vl": ("qwen3vl_merger", "qwen3vl", QWEN3_TENSORS, deepstack_under_the_wrong_blocks),
     "gemma3": ("gemma3", "gemma3", GEMMA3_TENSORS, soft_embedding_norm_not_shifted),
 }
 
@@ -596,6 +616,9 @@ def test_a_vision_language_model_exports_with_its_projector(family: str, tmp_pat
     assert text["general.architecture"].contents() == arch
     if arch == "qwen2vl":
         assert text["qwen2vl.rope.dimension_sections"].contents() == [2, 1, 1, 0]
+    if arch == "qwen3vl":
+        assert text["qwen3vl.rope.dimension_sections"].contents() == [24, 20, 20, 0]
+        assert text["qwen3vl.n_deepstack_layers"].contents() == 2
     projector = gguf.GGUFReader(tmp_path / "out" / f"mmproj-{family}-f32.gguf")
     assert projector.fields["clip.projector_type"].contents() == projector_type
     assert {t.name for t in projector.tensors} >= tensors
@@ -614,6 +637,10 @@ def refused_sources(tmp_path: Path, runs: dict[str, Path]) -> dict[str, tuple[Pa
     data = json.loads((spm / "tokenizer.json").read_text())
     data["model"]["byte_fallback"] = True
     (spm / "tokenizer.json").write_text(json.dumps(data))
+    qwen3 = tiny_qwen_vl(tmp_path / "qwen3-vl", "qwen3_vl")  # an erf GELU in the tower: llama.cpp's is tanh
+    data = json.loads((qwen3 / "config.json").read_text())
+    data["vision_config"]["hidden_act"] = "gelu"
+    (qwen3 / "config.json").write_text(json.dumps(data))
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "notes.txt").write_text("mine")
@@ -621,6 +648,7 @@ def refused_sources(tmp_path: Path, runs: dict[str, Path]) -> dict[str, tuple[Pa
     return {
         "LLaVA": (save_tiny_vlm(tmp_path / "llava"), {}, "llava is a vision-language model: llama.cpp's own converter"),
         "Qwen2-VL without its processor": (save_tiny_vlm(tmp_path / "qwen2-vl", "qwen2_vl"), {}, "has no preprocessor_config.json"),
+        "Qwen3-VL tower": (qwen3, {}, "qwen3_vl vision tower: hidden_act gelu (llama.cpp's tower uses the tanh GELU"),
         "family": (save_tiny_model(tmp_path / "gemma", "gemma"), {}, "model_type gemma: liger has not verified"),
         "scaled rope": (save_tiny_model(tmp_path / "rope", "llama", rope_parameters=yarn), {}, "rope_type yarn"),
         "sliding window": (save_tiny_model(tmp_path / "swa", "mistral", sliding_window=16), {}, "sliding_window 16"),

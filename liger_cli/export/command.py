@@ -67,6 +67,7 @@ def export_gguf(source: Path, out: Path, fmt: str = "gguf", quant: str = "f16", 
                 say=print) -> Exported:  # fmt: skip
     from liger_cli import process_state
     from liger_cli.export.families import family_of
+    from liger_cli.export.gguf_projector import check_tower
     from liger_cli.export.gguf_tokenizer import describe, read_tokenizer_json
     from liger_cli.generate.load import config_source, model_folder
     from liger_cli.model import read_config
@@ -76,9 +77,11 @@ def export_gguf(source: Path, out: Path, fmt: str = "gguf", quant: str = "f16", 
     quant = quant.lower()
     target, out = check_request(Path(source), Path(out), fmt, quant, min_agreement, overwrite)
     adapter = (target.weights / "adapter_config.json").is_file()
-    family = family_of(read_config(config_source(target)))  # before any work: the family, the tokenizer
+    config = read_config(config_source(target))
+    family = family_of(config)  # before any work: the family, its tower, the tokenizer
     describe(read_tokenizer_json(target.weights))
     if family.projector:
+        check_tower(config, family)
         runtime.multimodal_binding()
     if family.projector and not (model_folder(target) / "preprocessor_config.json").is_file():
         raise UserError(

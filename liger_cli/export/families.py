@@ -39,6 +39,7 @@ FAMILIES = {
 VISION_FAMILIES = {  # the language model as llama.cpp's qwen2vl (M-RoPE), the tower in the projector file
     "qwen2_vl": Family("QWEN2VL", projector="qwen2vl_merger"),
     "qwen2_5_vl": Family("QWEN2VL", projector="qwen2.5vl_merger"),
+    "qwen3_vl": Family("QWEN3VL", projector="qwen3vl_merger"),  # interleaved M-RoPE, deepstack features
     "gemma3": Family("GEMMA3", projector="gemma3", norm_plus_one=True),  # SigLIP, pooled, RMSNorm, projection
 }
 
@@ -71,6 +72,8 @@ def family_of(config) -> Family:
         gemma3_settings(config)  # its own checks: two RoPEs, a window pattern, the query scale
         return found
     rope = rope_settings(config)
+    if found.arch == "QWEN3VL":
+        interleaved_sections(config)
     if rope.get("rope_type", "default") not in ("default", None, "llama3"):
         raise UserError(
             f"rope_type {rope['rope_type']} ({kind}): liger exports the default rotary embedding and Llama 3's "
@@ -91,6 +94,18 @@ def rope_settings(config) -> dict:
     found = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
     found.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     return found
+
+
+def interleaved_sections(config) -> list[int]:
+    """Qwen3-VL's M-RoPE sections, checked to be what llama.cpp's interleaved M-RoPE takes (the rotary
+    dimensions' pairs, in turn time, height, width; Hugging Face's layout always interleaves)."""
+    sections = list(rope_settings(config).get("mrope_section") or [])
+    if len(sections) != 3 or sum(sections) != head_dim(config) // 2:
+        raise UserError(
+            f"qwen3_vl mrope_section {sections}: llama.cpp takes three sections (time, height, width) "
+            f"covering the {head_dim(config) // 2} rotary pairs"
+        )
+    return sections
 
 
 def head_dim(config) -> int:
@@ -137,6 +152,9 @@ def gemma3_settings(config) -> dict:
 
 def write_hyperparameters(writer, config) -> None:
     """The architecture's metadata llama.cpp reads to build the graph (a VLM's: its language model's)."""
+    deepstack = getattr(getattr(config, "vision_config", None), "deepstack_visual_indexes", None)
+    if deepstack:  # Qwen3-VL: the first len(deepstack) layers each add one more slice of an image's embedding
+        writer.add_num_deepstack_layers(len(deepstack))
     config = config.get_text_config()
     dim = head_dim(config)
     writer.add_block_count(config.num_hidden_layers)

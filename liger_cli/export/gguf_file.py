@@ -44,7 +44,7 @@ def write_gguf(folder: Path, path: Path, config, family: Family, tokenizer, out_
     names = gguf.get_tensor_name_map(arch, text.num_hidden_layers)
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
     writer.add_name(name)
-    write_hyperparameters(writer, text)
+    write_hyperparameters(writer, config)
     tensor_types, file_types = plain_types()
     writer.add_file_type(file_types[out_type])
     pre = write_tokenizer(writer, folder, tokenizer, text.vocab_size, turn_end)

@@ -9,9 +9,20 @@ fused qkv projection is split into q, k and v; the merger's norm is `v.post_ln` 
 llama.cpp's default for Qwen2-VL (quick GELU, as Qwen2-VL's) and SiLU for 2.5; the norms' epsilon is
 their fixed 1e-6.
 
+Qwen3-VL (`qwen3vl_merger`): Qwen2-VL's two-frame patch embedding (with a bias) plus a learned position
+embedding over a square grid, which llama.cpp interpolates to each image's patch grid as Hugging Face does
+(bilinear, corners aligned); the fused qkv kept (llama.cpp splits it in its graph); the merger as
+`v.post_ln`, `mm.0` and `mm.2`; each deepstack merger (a LayerNorm after the 2x2 merge and two linear
+layers) under the block whose output it reads. llama.cpp appends the deepstack features to each image
+token's embedding and adds them to the first decoder layers' outputs (families.py writes how many).
+
 Gemma 3 (`gemma3`): a SigLIP tower at a fixed image size, its patches average-pooled to
 mm_tokens_per_image (llama.cpp's scale factor: patches per side over pooled tokens per side), an RMSNorm
 (Gemma's, so its weight + 1) and a projection llama.cpp reads in Hugging Face's layout.
+
+`check_tower` runs every check of the writers below before any work: what llama.cpp's graph for the
+projector fixes (Qwen3-VL's 2x2 merge, its tower's tanh GELU and RoPE base, Gemma 3's square pooling,
+Qwen2.5-VL's window pattern) is refused by name where the model differs.
 """
 
 from __future__ import annotations
@@ -23,23 +34,49 @@ import torch
 from liger_cli.errors import UserError
 from liger_cli.export.gguf_file import VISION_PREFIXES, model_tensors, plain_types
 
-QWEN2_VL_NORM_EPS = 1e-6
+QWEN_VL_NORM_EPS = 1e-6  # the towers' LayerNorms (Qwen2-VL to Qwen3-VL) have this epsilon fixed
 IMAGE_SIZE = 560  # llama.cpp's warm-up size for dynamic-size towers (its converter's default)
 
 
 def vision_tensors(name: str, tensor: torch.Tensor):
-    """(name, tensor) pairs llama.cpp's map knows, from one checkpoint tensor of the vision side."""
+    """(name, tensor) pairs llama.cpp's map knows, from one checkpoint tensor of Qwen2(.5)-VL's tower."""
     name = "visual." + name.removeprefix("model.").removeprefix("visual.")
     if ".qkv." in name:
         for part, piece in zip("qkv", tensor.chunk(3, dim=0), strict=True):
             yield name.replace(".qkv.", f".{part}."), piece
-    elif name.endswith("patch_embed.proj.weight"):
+    else:
+        yield from two_frames(name, tensor)
+
+
+def two_frames(name: str, tensor: torch.Tensor):
+    """The Conv3d patch embedding over two frames as llama.cpp's two Conv2d kernels; other tensors as they are."""
+    if name.endswith("patch_embed.proj.weight"):
         if tensor.shape[2] != 2:
             raise UserError(f"{name}: a temporal patch of {tensor.shape[2]} frames; llama.cpp takes 2")
         yield "v.patch_embd.weight", tensor[:, :, 0]
         yield "v.patch_embd.weight.1", tensor[:, :, 1]
     else:
         yield name, tensor
+
+
+QWEN3_MERGER = {"norm": "v.post_ln", "linear_fc1": "mm.0", "linear_fc2": "mm.2"}
+QWEN3_DEEPSTACK = {"norm": "V_DS_NORM", "linear_fc1": "V_DS_FC1", "linear_fc2": "V_DS_FC2"}
+
+
+def qwen3vl_tensors(name: str, tensor: torch.Tensor, deepstack: list[int]):
+    """Qwen3-VL's tower under llama.cpp's names: deepstack merger k under block deepstack[k]."""
+    import gguf
+
+    name = "visual." + name.removeprefix("model.").removeprefix("visual.")
+    *_, part, suffix = name.split(".")
+    if name.startswith("visual.deepstack_merger_list.") and part in QWEN3_DEEPSTACK:
+        k = int(name.split(".")[2])
+        tensor_name = gguf.TENSOR_NAMES[getattr(gguf.MODEL_TENSOR, QWEN3_DEEPSTACK[part])]
+        yield f"{tensor_name.format(bid=deepstack[k])}.{suffix}", tensor
+    elif name.startswith("visual.merger.") and part in QWEN3_MERGER:
+        yield f"{QWEN3_MERGER[part]}.{suffix}", tensor
+    else:
+        yield from two_frames(name, tensor)
 
 
 def window_pattern(full: list[int]) -> int:
@@ -60,7 +97,8 @@ def gemma3_tensors(name: str, tensor: torch.Tensor):
     yield name, tensor.float() + 1 if name.endswith("mm_soft_emb_norm.weight") else tensor
 
 
-def write_gemma3_settings(writer, config) -> None:
+def gemma3_pooling(config) -> int:
+    """llama.cpp's scale factor for Gemma 3: patches per side pooled into one image token per side."""
     vision = config.vision_config
     side = vision.image_size // vision.patch_size
     pooled = round(config.mm_tokens_per_image**0.5)
@@ -69,6 +107,49 @@ def write_gemma3_settings(writer, config) -> None:
             f"gemma3 mm_tokens_per_image {config.mm_tokens_per_image} over {side}x{side} patches: llama.cpp pools "
             "a square of patches into each token"
         )
+    return side // pooled
+
+
+def qwen3vl_grid(vision) -> int:
+    """Qwen3-VL's position-embedding grid side, after checking the tower is what llama.cpp's graph builds."""
+    side = round(vision.num_position_embeddings**0.5)
+    theta = (getattr(vision, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    problems = [
+        f"spatial_merge_size {vision.spatial_merge_size} (llama.cpp merges 2x2 patches)"
+        if vision.spatial_merge_size != 2 else None,
+        f"hidden_act {vision.hidden_act} (llama.cpp's tower uses the tanh GELU)"
+        if vision.hidden_act != "gelu_pytorch_tanh" else None,
+        f"the tower's RoPE base {theta:g} (llama.cpp's is 10000)" if float(theta) != 10000.0 else None,
+        f"num_position_embeddings {vision.num_position_embeddings} (not a square grid)"
+        if side**2 != vision.num_position_embeddings else None,
+    ]  # fmt: skip
+    found = [p for p in problems if p]
+    if found:
+        raise UserError(
+            f"qwen3_vl vision tower: {'; '.join(found)}: export refused rather than see differently"
+        )
+    return side
+
+
+def check_tower(config, family) -> None:
+    """Every check the projector's writer makes, before any work (see the module's docstring)."""
+    if family.projector == "gemma3":
+        gemma3_pooling(config)
+    elif family.projector == "qwen3vl_merger":
+        qwen3vl_grid(config.vision_config)
+        layers = config.get_text_config().num_hidden_layers
+        if len(config.vision_config.deepstack_visual_indexes) >= layers:
+            raise UserError(
+                f"qwen3_vl: {len(config.vision_config.deepstack_visual_indexes)} deepstack features into "
+                f"{layers} decoder layers: llama.cpp's graph cannot add one to the last layer (it aborts)"
+            )
+    elif family.projector == "qwen2.5vl_merger":
+        window_pattern(config.vision_config.fullatt_block_indexes)
+
+
+def write_gemma3_settings(writer, config) -> None:
+    vision = config.vision_config
+    scale = gemma3_pooling(config)
     writer.add_vision_image_size(vision.image_size)
     writer.add_vision_embedding_length(vision.hidden_size)
     writer.add_vision_feed_forward_length(vision.intermediate_size)
@@ -76,14 +157,28 @@ def write_gemma3_settings(writer, config) -> None:
     writer.add_vision_head_count(vision.num_attention_heads)
     writer.add_vision_attention_layernorm_eps(vision.layer_norm_eps)
     writer.add_vision_use_gelu(True)
-    writer.add_vision_projector_scale_factor(side // pooled)
+    writer.add_vision_projector_scale_factor(scale)
+
+
+def write_qwen3vl_settings(writer, config) -> None:
+    vision = config.vision_config
+    writer.add_vision_image_size(qwen3vl_grid(vision) * vision.patch_size)  # the grid it was trained at
+    writer.add_vision_embedding_length(vision.hidden_size)
+    writer.add_vision_feed_forward_length(vision.intermediate_size)
+    writer.add_vision_block_count(vision.depth)
+    writer.add_vision_head_count(vision.num_heads)
+    writer.add_vision_attention_layernorm_eps(QWEN_VL_NORM_EPS)
+    writer.add_vision_use_gelu(True)
+    writer.add_vision_spatial_merge_size(vision.spatial_merge_size)
+    deepstack = set(vision.deepstack_visual_indexes)
+    writer.add_vision_is_deepstack_layers([block in deepstack for block in range(vision.depth)])
 
 
 def write_projector(folder: Path, path: Path, config, family, image_processor, out_type: str) -> None:
     import gguf
 
     vision, text = config.vision_config, config.get_text_config()
-    gemma3 = family.projector == "gemma3"
+    gemma3, qwen3 = family.projector == "gemma3", family.projector == "qwen3vl_merger"
     depth = vision.num_hidden_layers if gemma3 else vision.depth
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(depth, 3))  # Qwen's merger's mlp.2 too
     tensor_types, file_types = plain_types()
@@ -97,14 +192,22 @@ def write_projector(folder: Path, path: Path, config, family, image_processor, o
     writer.add_vision_image_std([float(v) for v in image_processor.image_std])
     if gemma3:
         write_gemma3_settings(writer, config)
+    elif qwen3:
+        write_qwen3vl_settings(writer, config)
     else:
         write_qwen_settings(writer, config, family)
     for hf_name, tensor in model_tensors(folder):
         if not hf_name.startswith(VISION_PREFIXES):
             continue
-        for name, piece in (gemma3_tensors if gemma3 else vision_tensors)(hf_name, tensor):
+        if qwen3:
+            pieces = qwen3vl_tensors(hf_name, tensor, vision.deepstack_visual_indexes)
+        else:
+            pieces = (gemma3_tensors if gemma3 else vision_tensors)(hf_name, tensor)
+        for name, piece in pieces:
             gguf_name = (
-                name if name.startswith("v.") else names.get_name(name, try_suffixes=(".weight", ".bias"))
+                name
+                if name.startswith(("v.", "mm."))
+                else names.get_name(name, try_suffixes=(".weight", ".bias"))
             )
             if gguf_name is None:
                 raise UserError(f"tensor {hf_name} has no name in llama.cpp's {family.projector} projector")
@@ -132,5 +235,5 @@ def write_qwen_settings(writer, config, family) -> None:
         writer.add_vision_use_silu(True)
         writer.add_vision_n_wa_pattern(window_pattern(vision.fullatt_block_indexes))
     writer.add_vision_head_count(vision.num_heads)
-    writer.add_vision_attention_layernorm_eps(QWEN2_VL_NORM_EPS)
+    writer.add_vision_attention_layernorm_eps(QWEN_VL_NORM_EPS)
     writer.add_vision_spatial_merge_size(vision.spatial_merge_size)

@@ -63,9 +63,13 @@ def errors_only():
 
         import llama_cpp
 
+        erring = [False]
+
         @llama_cpp.llama_log_callback
         def callback(level, text, user_data):
-            if level == 3:  # GGML_LOG_LEVEL_ERROR
+            if level != 5:  # GGML_LOG_LEVEL_CONT goes on the line before
+                erring[0] = level == 4  # GGML_LOG_LEVEL_ERROR (3 is a warning)
+            if erring[0]:
                 sys.stderr.write(text.decode("utf-8", errors="replace"))
 
         _ERRORS_ONLY.append(callback)

@@ -207,9 +207,10 @@ def check_stops(runtime, stops: list[int], report: Report) -> None:
 
 
 def probe_image(width: int = 224, height: int = 112):
-    """A colour gradient, width x height RGB. Qwen2-VL's is 224 x 112: a size both llama.cpp's
-    preprocessing and the processor take as it is (32 merged image tokens; two of Qwen2.5-VL's 112-pixel
-    attention windows); Gemma 3's is its fixed image size. Both sides encode the same pixels."""
+    """A colour gradient, width x height RGB. A Qwen-VL's is 8 x 4 merged patches (224 x 112 for Qwen2-VL,
+    256 x 128 for Qwen3-VL's 16-pixel patches): a size both llama.cpp's preprocessing and the processor take
+    as it is (32 image tokens; two of Qwen2.5-VL's 112-pixel attention windows); Gemma 3's is its fixed
+    image size. Both sides encode the same pixels."""
     import numpy as np
 
     y, x = np.mgrid[0:height, 0:width]
@@ -221,10 +222,13 @@ def image_prompt(model, tokenizer, image_processor, before: str, after: str):
     image out (llama.cpp's mtmd lays it out its own way: the ids must agree), and its image features."""
     from PIL import Image
 
-    config = model.config
+    config, vision = model.config, model.config.vision_config
     gemma3 = config.model_type == "gemma3"
-    side = config.vision_config.image_size if gemma3 else None
-    rgb = probe_image(side, side) if gemma3 else probe_image()
+    if gemma3:
+        rgb = probe_image(vision.image_size, vision.image_size)
+    else:
+        merged = vision.patch_size * vision.spatial_merge_size
+        rgb = probe_image(8 * merged, 4 * merged)
     pixels = image_processor(images=[Image.fromarray(rgb)], return_tensors="pt")
     if gemma3:  # <start_of_image>, the pooled image tokens, <end_of_image>; image tokens attend both ways
         marks, count = (
@@ -234,13 +238,17 @@ def image_prompt(model, tokenizer, image_processor, before: str, after: str):
         grid, kinds_name = {}, "token_type_ids"
     else:  # <|vision_start|>, the merged patches' tokens, <|vision_end|>; M-RoPE positions from the grid
         marks = (config.vision_start_token_id, config.image_token_id, config.vision_end_token_id)
-        count = int(pixels["image_grid_thw"].prod()) // config.vision_config.spatial_merge_size**2
+        count = int(pixels["image_grid_thw"].prod()) // vision.spatial_merge_size**2
         grid, kinds_name = {"image_grid_thw": pixels["image_grid_thw"]}, "mm_token_type_ids"
     start, pad, end = tokenizer.convert_ids_to_tokens(list(marks))
     ids = tokenizer(before + start + pad * count + end + after, add_special_tokens=False, return_tensors="pt")
     kinds = (ids["input_ids"] == config.image_token_id).long()  # the processor's marks: 1 for an image token
     with torch.no_grad():
-        features = model.model.get_image_features(pixels["pixel_values"], **grid).pooler_output[0]
+        found = model.model.get_image_features(pixels["pixel_values"], **grid)
+    deepstack = [layer[0] for layer in getattr(found, "deepstack_features", None) or []]
+    features = torch.cat(
+        [found.pooler_output[0], *deepstack], dim=-1
+    )  # Qwen3-VL's as llama.cpp lays them out
     inputs = {
         "input_ids": ids["input_ids"],
         "pixel_values": pixels["pixel_values"],
