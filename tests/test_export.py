@@ -518,6 +518,32 @@ def tiny_gemma3_vlm(path: Path) -> Path:
     return path
 
 
+def tiny_mistral3(path: Path) -> Path:
+    """A tiny Mistral 3: a Mistral language model (the projector norm's epsilon 1e-5, as Mistral Small
+    3.1's), a 2-block Pixtral tower of 8-pixel patches (SiLU, 2D RoPE) merged 2x2, the quickstart tokenizer
+    with Pixtral's image tokens, and the image processor saved beside it."""
+    import torch
+    from conftest import tiny_llama_settings
+    from transformers import AutoConfig, AutoModelForImageTextToText, PixtralImageProcessorPil
+    from vlm_models import _tokenizer
+
+    tokenizer = _tokenizer(["[IMG]", "[IMG_BREAK]", "[IMG_END]"])
+    text = AutoConfig.for_model(
+        "mistral", **tiny_llama_settings(tokenizer), rms_norm_eps=1e-5, sliding_window=None
+    )
+    vision = {"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "head_dim": 8, "image_size": 128, "patch_size": 8, "hidden_act": "silu"}  # fmt: skip
+    config = AutoConfig.for_model("mistral3", text_config=text.to_dict(), vision_config=vision, spatial_merge_size=2,
+                                  image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"), tie_word_embeddings=False)  # fmt: skip
+    for part in (config, config.text_config, config.vision_config):
+        part.initializer_range = 0.2
+    torch.manual_seed(1)
+    AutoModelForImageTextToText.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    PixtralImageProcessorPil(size={"longest_edge": 128}, patch_size=8).save_pretrained(path)
+    return path
+
+
 def swap_vision_q_and_k(monkeypatch) -> None:
     from liger_cli.export import gguf_projector
 
@@ -550,6 +576,12 @@ def deepstack_under_the_wrong_blocks(monkeypatch) -> None:
     )
 
 
+def vision_q_and_k_not_permuted(monkeypatch) -> None:
+    from liger_cli.export import gguf_projector
+
+    monkeypatch.setattr(gguf_projector, "permute_qk", lambda tensor, heads: tensor)
+
+
 def soft_embedding_norm_not_shifted(monkeypatch) -> None:
     from liger_cli.export import gguf_projector
 
@@ -567,6 +599,9 @@ QWEN_TENSORS = {"v.patch_embd.weight", "v.patch_embd.weight.1", "mm.0.weight", "
 QWEN3_TENSORS = {"v.patch_embd.weight", "v.patch_embd.weight.1", "v.patch_embd.bias", "v.position_embd.weight",
                  "v.blk.2.attn_qkv.weight", "v.deepstack.0.norm.weight", "v.deepstack.1.fc2.weight", "mm.0.weight",
                  "mm.2.weight", "v.post_ln.weight"}  # fmt: skip
+PIXTRAL_TENSORS = {"v.patch_embd.weight", "v.pre_ln.weight", "v.blk.1.attn_q.weight", "v.blk.1.ffn_gate.weight",
+                   "mm.input_norm.weight", "mm.patch_merger.weight", "mm.1.weight", "mm.2.weight",
+                   "v.token_embd.img_break"}  # fmt: skip
 GEMMA3_TENSORS = {"v.patch_embd.weight", "v.position_embd.weight", "v.blk.1.attn_q.weight", "v.post_ln.weight",
                   "mm.input_projection.weight", "mm.soft_emb_norm.weight"}  # fmt: skip
 VISION = {  # family -> (llama.cpp's projector, its language model's architecture, projector tensors, how to break it)
@@ -574,6 +609,7 @@ VISION = {  # family -> (llama.cpp's projector, its language model's architectur
     "qwen2_5_vl": ("qwen2.5vl_merger", "qwen2vl", QWEN_TENSORS, window_every_block_but_the_third),
     "qwen3_vl": ("qwen3vl_merger", "qwen3vl", QWEN3_TENSORS, deepstack_under_the_wrong_blocks),
     "gemma3": ("gemma3", "gemma3", GEMMA3_TENSORS, soft_embedding_norm_not_shifted),
+    "mistral3": ("pixtral", "llama", PIXTRAL_TENSORS, vision_q_and_k_not_permuted),
 }
 
 
@@ -593,7 +629,8 @@ def test_a_vision_language_model_exports_with_its_projector(family: str, tmp_pat
     assert set(VISION) == set(VISION_FAMILIES)  # every vision-language family liger exports is walked here
     projector_type, arch, tensors, breaks = VISION[family]
     path = tmp_path / family
-    model = tiny_gemma3_vlm(path) if family == "gemma3" else tiny_qwen_vl(path, family)
+    builders = {"gemma3": tiny_gemma3_vlm, "mistral3": tiny_mistral3}
+    model = builders[family](path) if family in builders else tiny_qwen_vl(path, family)
     done = export(model, tmp_path / "out", quant="f32", ollama=True)
     names = {p.name for p in (tmp_path / "out").iterdir()}
     assert names == {
@@ -641,6 +678,12 @@ def refused_sources(tmp_path: Path, runs: dict[str, Path]) -> dict[str, tuple[Pa
     data = json.loads((qwen3 / "config.json").read_text())
     data["vision_config"]["hidden_act"] = "gelu"
     (qwen3 / "config.json").write_text(json.dumps(data))
+    mistral3 = tiny_mistral3(
+        tmp_path / "mistral3"
+    )  # an exact GELU gating the tower: llama.cpp's gates with SiLU
+    data = json.loads((mistral3 / "config.json").read_text())
+    data["vision_config"]["hidden_act"] = "gelu"
+    (mistral3 / "config.json").write_text(json.dumps(data))
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "notes.txt").write_text("mine")
@@ -649,6 +692,7 @@ def refused_sources(tmp_path: Path, runs: dict[str, Path]) -> dict[str, tuple[Pa
         "LLaVA": (save_tiny_vlm(tmp_path / "llava"), {}, "llava is a vision-language model: llama.cpp's own converter"),
         "Qwen2-VL without its processor": (save_tiny_vlm(tmp_path / "qwen2-vl", "qwen2_vl"), {}, "has no preprocessor_config.json"),
         "Qwen3-VL tower": (qwen3, {}, "qwen3_vl vision tower: hidden_act gelu (llama.cpp's tower uses the tanh GELU"),
+        "Mistral 3 tower": (mistral3, {}, "mistral3: the tower's hidden_act gelu (llama.cpp's tower gates with SiLU"),
         "family": (save_tiny_model(tmp_path / "gemma", "gemma"), {}, "model_type gemma: liger has not verified"),
         "scaled rope": (save_tiny_model(tmp_path / "rope", "llama", rope_parameters=yarn), {}, "rope_type yarn"),
         "sliding window": (save_tiny_model(tmp_path / "swa", "mistral", sliding_window=16), {}, "sliding_window 16"),

@@ -180,6 +180,7 @@ def verify_file(path: Path, model, tokenizer, target, fmt: str, stops: list[int]
                 max_new_tokens: int, projector=None) -> Report:  # fmt: skip
     from liger_cli.data.chat import render
     from liger_cli.export import verify
+    from liger_cli.export.verify_image import check_image
     from liger_cli.generate.engine import Sampling, generate
     from liger_cli.generate.prompts import PromptError, Renderer
 
@@ -225,7 +226,7 @@ def verify_file(path: Path, model, tokenizer, target, fmt: str, stops: list[int]
         verify.check_next_tokens(loaded, model, prompts, [c.ids for c in done], quant,
                                  None if quant in PLAIN_TYPES else floor, report)  # fmt: skip
         if projector is not None:
-            verify.check_image(loaded, projector[1], model, tokenizer, projector[0], quant, report)
+            check_image(loaded, projector[1], model, tokenizer, projector[0], quant, report)
     finally:
         loaded.close()
     return report

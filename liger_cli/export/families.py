@@ -41,6 +41,7 @@ VISION_FAMILIES = {  # the language model as llama.cpp's qwen2vl (M-RoPE), the t
     "qwen2_5_vl": Family("QWEN2VL", projector="qwen2.5vl_merger"),
     "qwen3_vl": Family("QWEN3VL", projector="qwen3vl_merger"),  # interleaved M-RoPE, deepstack features
     "gemma3": Family("GEMMA3", projector="gemma3", norm_plus_one=True),  # SigLIP, pooled, RMSNorm, projection
+    "mistral3": Family("LLAMA", permute_qk=True, projector="pixtral"),  # Pixtral tower, patch merger
 }
 
 

@@ -16,6 +16,11 @@ embedding over a square grid, which llama.cpp interpolates to each image's patch
 layers) under the block whose output it reads. llama.cpp appends the deepstack features to each image
 token's embedding and adds them to the first decoder layers' outputs (families.py writes how many).
 
+Mistral 3 (`pixtral`): a Pixtral tower (RMSNorms, SiLU-gated MLPs, a 2D RoPE that llama.cpp rotates in
+adjacent pairs, so each head's q/k rows are permuted as a Llama's are), the projector's RMSNorm, its
+patch merger (2x2 patches unfolded into one) and two linear layers; the [IMG_BREAK] token's embedding is
+copied from the language model's, as llama.cpp appends it to each row of image tokens itself.
+
 Gemma 3 (`gemma3`): a SigLIP tower at a fixed image size, its patches average-pooled to
 mm_tokens_per_image (llama.cpp's scale factor: patches per side over pooled tokens per side), an RMSNorm
 (Gemma's, so its weight + 1) and a projection llama.cpp reads in Hugging Face's layout.
@@ -32,6 +37,7 @@ from pathlib import Path
 import torch
 
 from liger_cli.errors import UserError
+from liger_cli.export.families import permute_qk
 from liger_cli.export.gguf_file import VISION_PREFIXES, model_tensors, plain_types
 
 QWEN_VL_NORM_EPS = 1e-6  # the towers' LayerNorms (Qwen2-VL to Qwen3-VL) have this epsilon fixed
@@ -131,9 +137,69 @@ def qwen3vl_grid(vision) -> int:
     return side
 
 
+PIXTRAL_NORM_EPS = 1e-5  # the Pixtral tower's RMSNorms; llama.cpp gives the projector's norm the same
+
+
+def pixtral_checks(config) -> None:
+    """Mistral 3 as llama.cpp's pixtral graph builds it, or a UserError naming what differs."""
+    vision, text = config.vision_config, config.get_text_config()
+    theta = (getattr(vision, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    problems = [
+        f"its language model is {text.model_type} (liger exports Mistral 3's mistral and llama ones)"
+        if text.model_type not in ("mistral", "llama") else None,
+        f"vision_feature_layer {config.vision_feature_layer} (llama.cpp reads the last layer's output)"
+        if config.vision_feature_layer != -1 else None,
+        f"the tower's hidden_act {vision.hidden_act} (llama.cpp's tower gates with SiLU)"
+        if vision.hidden_act != "silu" else None,
+        f"projector_hidden_act {config.projector_hidden_act} (llama.cpp's projector uses a GELU)"
+        if config.projector_hidden_act != "gelu" else None,
+        f"the tower's RoPE base {theta:g} (llama.cpp's is 10000)" if float(theta) != 10000.0 else None,
+        f"the projector norm's epsilon {text.rms_norm_eps:g} (llama.cpp uses the tower's, {PIXTRAL_NORM_EPS:g})"
+        if text.rms_norm_eps != PIXTRAL_NORM_EPS else None,
+    ]  # fmt: skip
+    found = [p for p in problems if p]
+    if found:
+        raise UserError(f"mistral3: {'; '.join(found)}: export refused rather than see differently")
+
+
+def pixtral_tensors(name: str, tensor: torch.Tensor, heads: int):
+    """Mistral 3's tower and projector under the map's names (each head's q/k rows from halves to pairs)."""
+    name = name.removeprefix("model.")
+    if name.endswith(("q_proj.weight", "k_proj.weight")):
+        tensor = permute_qk(tensor, heads)
+    yield name, tensor
+
+
+def image_break_id(folder: Path) -> int:
+    from liger_cli.export.gguf_tokenizer import read_tokenizer_json
+
+    found = [
+        t["id"] for t in read_tokenizer_json(folder).get("added_tokens", []) if t["content"] == "[IMG_BREAK]"
+    ]
+    if not found:
+        raise UserError(
+            "mistral3: the tokenizer has no [IMG_BREAK] token, which llama.cpp puts after each row"
+        )
+    return found[0]
+
+
+def write_pixtral_settings(writer, config) -> None:
+    vision = config.vision_config
+    writer.add_vision_image_size(vision.image_size)
+    writer.add_vision_embedding_length(vision.hidden_size)
+    writer.add_vision_feed_forward_length(vision.intermediate_size)
+    writer.add_vision_block_count(vision.num_hidden_layers)
+    writer.add_vision_head_count(vision.num_attention_heads)
+    writer.add_vision_attention_layernorm_eps(PIXTRAL_NORM_EPS)
+    writer.add_vision_use_silu(True)
+    writer.add_vision_spatial_merge_size(config.spatial_merge_size)
+
+
 def check_tower(config, family) -> None:
     """Every check the projector's writer makes, before any work (see the module's docstring)."""
-    if family.projector == "gemma3":
+    if family.projector == "pixtral":
+        pixtral_checks(config)
+    elif family.projector == "gemma3":
         gemma3_pooling(config)
     elif family.projector == "qwen3vl_merger":
         qwen3vl_grid(config.vision_config)
@@ -178,47 +244,56 @@ def write_projector(folder: Path, path: Path, config, family, image_processor, o
     import gguf
 
     vision, text = config.vision_config, config.get_text_config()
-    gemma3, qwen3 = family.projector == "gemma3", family.projector == "qwen3vl_merger"
-    depth = vision.num_hidden_layers if gemma3 else vision.depth
+    kind = family.projector
+    depth = getattr(vision, "depth", None) or vision.num_hidden_layers
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(depth, 3))  # Qwen's merger's mlp.2 too
     tensor_types, file_types = plain_types()
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MMPROJ])
     writer.add_file_type(file_types[out_type])
     writer.add_clip_has_vision_encoder(True)
-    writer.add_clip_projector_type(family.projector)
+    writer.add_clip_projector_type(kind)
     writer.add_vision_projection_dim(text.hidden_size)
     writer.add_vision_patch_size(vision.patch_size)
     writer.add_vision_image_mean([float(v) for v in image_processor.image_mean])
     writer.add_vision_image_std([float(v) for v in image_processor.image_std])
-    if gemma3:
-        write_gemma3_settings(writer, config)
-    elif qwen3:
-        write_qwen3vl_settings(writer, config)
-    else:
-        write_qwen_settings(writer, config, family)
-    for hf_name, tensor in model_tensors(folder):
-        if not hf_name.startswith(VISION_PREFIXES):
-            continue
-        if qwen3:
-            pieces = qwen3vl_tensors(hf_name, tensor, vision.deepstack_visual_indexes)
-        else:
-            pieces = (gemma3_tensors if gemma3 else vision_tensors)(hf_name, tensor)
-        for name, piece in pieces:
-            gguf_name = (
-                name
-                if name.startswith(("v.", "mm."))
-                else names.get_name(name, try_suffixes=(".weight", ".bias"))
-            )
-            if gguf_name is None:
-                raise UserError(f"tensor {hf_name} has no name in llama.cpp's {family.projector} projector")
-            data = piece.to(torch.float32).numpy()
-            plain = data.ndim == 1 or ".embeddings." in name  # llama.cpp's converter keeps SigLIP's in f32
-            qtype = gguf.GGMLQuantizationType.F32 if plain else tensor_types[out_type]
-            writer.add_tensor(gguf_name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+    settings = {"gemma3": write_gemma3_settings, "qwen3vl_merger": write_qwen3vl_settings,
+                "pixtral": write_pixtral_settings}  # fmt: skip
+    settings.get(kind, lambda writer, config: write_qwen_settings(writer, config, family))(writer, config)
+    for name, piece in tower_tensors(folder, config, kind):
+        gguf_name = (
+            name
+            if name.startswith(("v.", "mm."))
+            else names.get_name(name, try_suffixes=(".weight", ".bias"))
+        )
+        if gguf_name is None:
+            raise UserError(f"tensor {name} has no name in llama.cpp's {kind} projector")
+        data = piece.to(torch.float32).numpy()
+        plain = data.ndim == 1 or ".embeddings." in name  # llama.cpp's converter keeps SigLIP's in f32
+        qtype = gguf.GGMLQuantizationType.F32 if plain else tensor_types[out_type]
+        writer.add_tensor(gguf_name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def tower_tensors(folder: Path, config, kind: str):
+    """(name, tensor) of the projector file, from the checkpoint's vision tower and projector weights."""
+    vision = config.vision_config
+    brk = image_break_id(folder) if kind == "pixtral" else None
+    for hf_name, tensor in model_tensors(folder):
+        if brk is not None and hf_name.endswith("embed_tokens.weight"):
+            yield "v.token_embd.img_break", tensor[brk]  # llama.cpp's row end, the language model's embedding
+        if not hf_name.startswith(VISION_PREFIXES):
+            continue
+        if kind == "qwen3vl_merger":
+            yield from qwen3vl_tensors(hf_name, tensor, vision.deepstack_visual_indexes)
+        elif kind == "pixtral":
+            yield from pixtral_tensors(hf_name, tensor, vision.num_attention_heads)
+        elif kind == "gemma3":
+            yield from gemma3_tensors(hf_name, tensor)
+        else:
+            yield from vision_tensors(hf_name, tensor)
 
 
 def write_qwen_settings(writer, config, family) -> None:

@@ -29,10 +29,6 @@ GELU_F32_BOUND = 1e-2
 """f32's bound for a model whose MLP is a GELU (Gemma 3): llama.cpp's CPU GELU reads its input and writes
 its output through a half-precision table, so its activations carry f16 rounding (measured on the tests'
 tiny Gemma 3: 1.9e-3; 1.9e-4 against a reference whose GELU rounds the same way)."""
-IMAGE_BOUNDS = {**BOUNDS, "f32": 1e-2}
-"""The image probe's: its embeddings' largest difference (relative to their largest value) and the next
-token's |Δ log p|. f32's is looser than the text's: llama.cpp computes the projector's GELU through a
-half-precision table, and its qwen2vl language model ignores the RMSNorm epsilon (docs/export.md)."""
 FLOORS = {"q8_0": 0.9, "q6_k": 0.85, "q5_k_m": 0.8, "q5_k_s": 0.8, "q5_0": 0.8, "q4_k_m": 0.7, "q4_k_s": 0.7,
           "q4_0": 0.7, "q3_k_m": 0.5, "q2_k": 0.3}  # fmt: skip
 """Least share of completion positions where a quantized GGUF's greedy token is the model's."""
@@ -204,94 +200,3 @@ def check_stops(runtime, stops: list[int], report: Report) -> None:
         other = "llama.cpp does not" if token in stops else "liger's engine goes on"
         raise ExportMismatch(f"{said} {token} {runtime.piece(token)!r}; {other}")
     report.stops = tuple(sorted(stops))
-
-
-def probe_image(width: int = 224, height: int = 112):
-    """A colour gradient, width x height RGB. A Qwen-VL's is 8 x 4 merged patches (224 x 112 for Qwen2-VL,
-    256 x 128 for Qwen3-VL's 16-pixel patches): a size both llama.cpp's preprocessing and the processor take
-    as it is (32 image tokens; two of Qwen2.5-VL's 112-pixel attention windows); Gemma 3's is its fixed
-    image size. Both sides encode the same pixels."""
-    import numpy as np
-
-    y, x = np.mgrid[0:height, 0:width]
-    return np.stack([(x * 2) % 256, (y * 4) % 256, ((x + y) * 3) % 256], axis=-1).astype(np.uint8)
-
-
-def image_prompt(model, tokenizer, image_processor, before: str, after: str):
-    """The probe image, the model's inputs for `before` + the image + `after` as its processor lays the
-    image out (llama.cpp's mtmd lays it out its own way: the ids must agree), and its image features."""
-    from PIL import Image
-
-    config, vision = model.config, model.config.vision_config
-    gemma3 = config.model_type == "gemma3"
-    if gemma3:
-        rgb = probe_image(vision.image_size, vision.image_size)
-    else:
-        merged = vision.patch_size * vision.spatial_merge_size
-        rgb = probe_image(8 * merged, 4 * merged)
-    pixels = image_processor(images=[Image.fromarray(rgb)], return_tensors="pt")
-    if gemma3:  # <start_of_image>, the pooled image tokens, <end_of_image>; image tokens attend both ways
-        marks, count = (
-            (config.boi_token_index, config.image_token_index, config.eoi_token_index),
-            config.mm_tokens_per_image,
-        )
-        grid, kinds_name = {}, "token_type_ids"
-    else:  # <|vision_start|>, the merged patches' tokens, <|vision_end|>; M-RoPE positions from the grid
-        marks = (config.vision_start_token_id, config.image_token_id, config.vision_end_token_id)
-        count = int(pixels["image_grid_thw"].prod()) // vision.spatial_merge_size**2
-        grid, kinds_name = {"image_grid_thw": pixels["image_grid_thw"]}, "mm_token_type_ids"
-    start, pad, end = tokenizer.convert_ids_to_tokens(list(marks))
-    ids = tokenizer(before + start + pad * count + end + after, add_special_tokens=False, return_tensors="pt")
-    kinds = (ids["input_ids"] == config.image_token_id).long()  # the processor's marks: 1 for an image token
-    with torch.no_grad():
-        found = model.model.get_image_features(pixels["pixel_values"], **grid)
-    deepstack = [layer[0] for layer in getattr(found, "deepstack_features", None) or []]
-    features = torch.cat(
-        [found.pooler_output[0], *deepstack], dim=-1
-    )  # Qwen3-VL's as llama.cpp lays them out
-    inputs = {
-        "input_ids": ids["input_ids"],
-        "pixel_values": pixels["pixel_values"],
-        kinds_name: kinds,
-        **grid,
-    }
-    return rgb, inputs, features
-
-
-def check_image(runtime, projector, model, tokenizer, image_processor, out_type: str, report: Report) -> None:
-    """A probe image through both: its embeddings (the model's tower and projector on its image processor's
-    pixels, against llama.cpp's mtmd on the projector file with its own preprocessing), then the next token
-    after a prompt holding it (the language model file, M-RoPE positions included)."""
-    from liger_cli.export.runtime import MEDIA
-
-    before, after = "Look at this picture: ", " What colour is it?"
-    rgb, inputs, embedded = image_prompt(model, tokenizer, image_processor, before, after)
-    with torch.no_grad():
-        logits = model(**inputs).logits[0, -1]
-    want = torch.log_softmax(logits.double(), dim=-1)
-    embeddings, got = runtime.image_log_probs(projector, before + MEDIA + after, rgb, embedded.shape[-1])
-    got = got[: want.shape[-1]]
-    bound = IMAGE_BOUNDS.get(out_type)
-    tower_bound = IMAGE_BOUNDS.get(out_type, IMAGE_BOUNDS["f16"])  # a quantized model's projector file is f16
-    if embeddings.shape != embedded.shape:
-        raise ExportMismatch(
-            f"llama.cpp makes {tuple(embeddings.shape)} embeddings of the probe image, the model {tuple(embedded.shape)}"
-        )
-    report.image_embedding_diff = float((embeddings - embedded).abs().max() / embedded.abs().max())
-    report.image_logprob_diff = float((want - got).abs().max())
-    if not report.image_embedding_diff <= tower_bound:  # NaN fails too
-        raise ExportMismatch(
-            f"llama.cpp encodes the probe image differently: its embeddings differ from the model's by up to "
-            f"{report.image_embedding_diff:.3g} of their largest value (bound: {tower_bound:g})"
-        )
-    if bound is not None and not report.image_logprob_diff <= bound:
-        raise ExportMismatch(
-            f"after an image prompt llama.cpp's next-token log-probs differ from the model's by up to "
-            f"{report.image_logprob_diff:.3g} (bound for {out_type}: {bound:g})"
-        )
-    top, token = int(got.argmax()), int(want.argmax())
-    if bound is not None and top != token and float(want[token] - want[top]) > 2 * bound:
-        raise ExportMismatch(
-            f"after an image prompt the greedy tokens differ: the model {token} {runtime.piece(token)!r}, "
-            f"llama.cpp {top} {runtime.piece(top)!r}"
-        )
