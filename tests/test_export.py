@@ -544,6 +544,40 @@ def tiny_mistral3(path: Path) -> Path:
     return path
 
 
+def tiny_idefics3(path: Path, family: str) -> Path:
+    """A tiny Idefics 3 or SmolVLM: a Llama language model, a 2-block SigLIP tower on 32-pixel tiles of
+    8-pixel patches, pixel-shuffled 2x2 into 4 tokens a tile, pictures resized to a longest edge of 64 (two
+    tiles a row), the quickstart tokenizer with the image tokens and a "\n\n" token (llama.cpp's mtmd puts
+    it before the global view), and the image processor saved beside it."""
+    import torch
+    from conftest import tiny_llama_settings
+    from transformers import (
+        AutoConfig,
+        AutoModelForImageTextToText,
+        Idefics3ImageProcessorPil,
+        SmolVLMImageProcessorPil,
+    )
+    from vlm_models import _tokenizer
+
+    marks = ["<fake_token_around_image>", "<image>", "<global-img>", "<row_1_col_1>", "<row_1_col_2>"]
+    tokenizer = _tokenizer(marks)
+    tokenizer.add_tokens(["\n\n"])
+    text = AutoConfig.for_model("llama", **tiny_llama_settings(tokenizer))
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "image_size": 32, "patch_size": 8}  # fmt: skip
+    config = AutoConfig.for_model(family, text_config=text.to_dict(), vision_config=vision, scale_factor=2,
+                                  image_token_id=tokenizer.convert_tokens_to_ids("<image>"), tie_word_embeddings=False)  # fmt: skip
+    for part in (config, config.text_config, config.vision_config):
+        part.initializer_range = 0.2
+    torch.manual_seed(1)
+    AutoModelForImageTextToText.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+    processor = Idefics3ImageProcessorPil if family == "idefics3" else SmolVLMImageProcessorPil
+    processor(size={"longest_edge": 64}, max_image_size={"longest_edge": 32}).save_pretrained(path)
+    return path
+
+
 def swap_vision_q_and_k(monkeypatch) -> None:
     from liger_cli.export import gguf_projector
 
@@ -582,6 +616,23 @@ def vision_q_and_k_not_permuted(monkeypatch) -> None:
     monkeypatch.setattr(gguf_projector, "permute_qk", lambda tensor, heads: tensor)
 
 
+def tiles_in_the_wrong_order(monkeypatch) -> None:
+    from liger_cli.export import gguf_projector
+
+    real = gguf_projector.tower_tensors
+
+    def shuffled(folder, config, kind):  # each tile's patches pixel-shuffled in another order
+        for name, tensor in real(folder, config, kind):
+            yield (
+                name,
+                tensor.reshape(tensor.shape[0], -1, 4).flip(-1).reshape(tensor.shape)
+                if "connector" in name
+                else tensor,
+            )
+
+    monkeypatch.setattr(gguf_projector, "tower_tensors", shuffled)
+
+
 def soft_embedding_norm_not_shifted(monkeypatch) -> None:
     from liger_cli.export import gguf_projector
 
@@ -602,6 +653,8 @@ QWEN3_TENSORS = {"v.patch_embd.weight", "v.patch_embd.weight.1", "v.patch_embd.b
 PIXTRAL_TENSORS = {"v.patch_embd.weight", "v.pre_ln.weight", "v.blk.1.attn_q.weight", "v.blk.1.ffn_gate.weight",
                    "mm.input_norm.weight", "mm.patch_merger.weight", "mm.1.weight", "mm.2.weight",
                    "v.token_embd.img_break"}  # fmt: skip
+IDEFICS3_TENSORS = {"v.patch_embd.weight", "v.position_embd.weight", "v.blk.1.attn_q.weight", "v.post_ln.weight",
+                    "mm.model.fc.weight"}  # fmt: skip
 GEMMA3_TENSORS = {"v.patch_embd.weight", "v.position_embd.weight", "v.blk.1.attn_q.weight", "v.post_ln.weight",
                   "mm.input_projection.weight", "mm.soft_emb_norm.weight"}  # fmt: skip
 VISION = {  # family -> (llama.cpp's projector, its language model's architecture, projector tensors, how to break it)
@@ -610,6 +663,8 @@ VISION = {  # family -> (llama.cpp's projector, its language model's architectur
     "qwen3_vl": ("qwen3vl_merger", "qwen3vl", QWEN3_TENSORS, deepstack_under_the_wrong_blocks),
     "gemma3": ("gemma3", "gemma3", GEMMA3_TENSORS, soft_embedding_norm_not_shifted),
     "mistral3": ("pixtral", "llama", PIXTRAL_TENSORS, vision_q_and_k_not_permuted),
+    "idefics3": ("idefics3", "llama", IDEFICS3_TENSORS, tiles_in_the_wrong_order),
+    "smolvlm": ("idefics3", "llama", IDEFICS3_TENSORS, tiles_in_the_wrong_order),
 }
 
 
@@ -629,7 +684,8 @@ def test_a_vision_language_model_exports_with_its_projector(family: str, tmp_pat
     assert set(VISION) == set(VISION_FAMILIES)  # every vision-language family liger exports is walked here
     projector_type, arch, tensors, breaks = VISION[family]
     path = tmp_path / family
-    builders = {"gemma3": tiny_gemma3_vlm, "mistral3": tiny_mistral3}
+    builders = {"gemma3": tiny_gemma3_vlm, "mistral3": tiny_mistral3, "idefics3": lambda path: tiny_idefics3(path, "idefics3"),
+                "smolvlm": lambda path: tiny_idefics3(path, "smolvlm")}  # fmt: skip
     model = builders[family](path) if family in builders else tiny_qwen_vl(path, family)
     done = export(model, tmp_path / "out", quant="f32", ollama=True)
     names = {p.name for p in (tmp_path / "out").iterdir()}
@@ -684,6 +740,10 @@ def refused_sources(tmp_path: Path, runs: dict[str, Path]) -> dict[str, tuple[Pa
     data = json.loads((mistral3 / "config.json").read_text())
     data["vision_config"]["hidden_act"] = "gelu"
     (mistral3 / "config.json").write_text(json.dumps(data))
+    smolvlm = tiny_idefics3(tmp_path / "smolvlm", "smolvlm")  # untiled pictures: llama.cpp always tiles
+    data = json.loads((smolvlm / "preprocessor_config.json").read_text())
+    data["do_image_splitting"] = False
+    (smolvlm / "preprocessor_config.json").write_text(json.dumps(data))
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "notes.txt").write_text("mine")
@@ -693,6 +753,7 @@ def refused_sources(tmp_path: Path, runs: dict[str, Path]) -> dict[str, tuple[Pa
         "Qwen2-VL without its processor": (save_tiny_vlm(tmp_path / "qwen2-vl", "qwen2_vl"), {}, "has no preprocessor_config.json"),
         "Qwen3-VL tower": (qwen3, {}, "qwen3_vl vision tower: hidden_act gelu (llama.cpp's tower uses the tanh GELU"),
         "Mistral 3 tower": (mistral3, {}, "mistral3: the tower's hidden_act gelu (llama.cpp's tower gates with SiLU"),
+        "SmolVLM untiled": (smolvlm, {}, "smolvlm: the processor's tiling (do_image_splitting False, tiles of 32"),
         "family": (save_tiny_model(tmp_path / "gemma", "gemma"), {}, "model_type gemma: liger has not verified"),
         "scaled rope": (save_tiny_model(tmp_path / "rope", "llama", rope_parameters=yarn), {}, "rope_type yarn"),
         "sliding window": (save_tiny_model(tmp_path / "swa", "mistral", sliding_window=16), {}, "sliding_window 16"),

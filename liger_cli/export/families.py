@@ -42,6 +42,10 @@ VISION_FAMILIES = {  # the language model as llama.cpp's qwen2vl (M-RoPE), the t
     "qwen3_vl": Family("QWEN3VL", projector="qwen3vl_merger"),  # interleaved M-RoPE, deepstack features
     "gemma3": Family("GEMMA3", projector="gemma3", norm_plus_one=True),  # SigLIP, pooled, RMSNorm, projection
     "mistral3": Family("LLAMA", permute_qk=True, projector="pixtral"),  # Pixtral tower, patch merger
+    "idefics3": Family(
+        "LLAMA", permute_qk=True, projector="idefics3"
+    ),  # SigLIP tiles, pixel shuffle (SmolVLM)
+    "smolvlm": Family("LLAMA", permute_qk=True, projector="idefics3"),  # SmolVLM2: Idefics 3's layout
 }
 
 

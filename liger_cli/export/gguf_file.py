@@ -77,16 +77,18 @@ def write_gguf(folder: Path, path: Path, config, family: Family, tokenizer, out_
 
 
 VISION_PREFIXES = ("visual.", "model.visual.", "vision_tower.", "model.vision_tower.", "multi_modal_projector.",
-                   "model.multi_modal_projector.")  # fmt: skip
+                   "model.multi_modal_projector.", "model.vision_model.", "model.connector.")  # fmt: skip
 
 
 def language_name(name: str) -> str | None:
-    """A checkpoint name as the language model's (a VLM's `model.language_model.` or, in the layout Gemma 3
-    is saved in, `language_model.` prefix dropped), or None for the vision tower's and projector's weights."""
+    """A checkpoint name as the language model's (a VLM's `model.language_model.` or `model.text_model.` or,
+    in the layout Gemma 3 is saved in, `language_model.` prefix dropped), or None for the vision tower's and
+    projector's weights."""
     if name.startswith(VISION_PREFIXES):
         return None
-    if name.startswith("model.language_model."):
-        return "model." + name.removeprefix("model.language_model.")
+    for prefix in ("model.language_model.", "model.text_model."):  # Idefics 3 and SmolVLM: text_model
+        if name.startswith(prefix):
+            return "model." + name.removeprefix(prefix)
     return name.removeprefix("language_model.")
 
 

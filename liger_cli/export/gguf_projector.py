@@ -21,6 +21,11 @@ adjacent pairs, so each head's q/k rows are permuted as a Llama's are), the proj
 patch merger (2x2 patches unfolded into one) and two linear layers; the [IMG_BREAK] token's embedding is
 copied from the language model's, as llama.cpp appends it to each row of image tokens itself.
 
+Idefics 3 and SmolVLM (`idefics3`): a SigLIP tower on fixed-size tiles, its patches pixel-shuffled
+(`scale_factor` per side into one token) and projected by one linear layer (`mm.model.fc`). llama.cpp cuts
+a picture into the processor's tiles and a global view as Hugging Face does (the same Pillow-style Lanczos
+resampling); the processor's longest edge is written for it.
+
 Gemma 3 (`gemma3`): a SigLIP tower at a fixed image size, its patches average-pooled to
 mm_tokens_per_image (llama.cpp's scale factor: patches per side over pooled tokens per side), an RMSNorm
 (Gemma's, so its weight + 1) and a projection llama.cpp reads in Hugging Face's layout.
@@ -195,10 +200,56 @@ def write_pixtral_settings(writer, config) -> None:
     writer.add_vision_spatial_merge_size(config.spatial_merge_size)
 
 
+def idefics3_checks(config) -> None:
+    vision, text = config.vision_config, config.get_text_config()
+    problems = [
+        f"its language model is {text.model_type} (liger exports Idefics 3's and SmolVLM's llama one)"
+        if text.model_type != "llama" else None,
+        f"the tower's hidden_act {vision.hidden_act} (llama.cpp's uses the tanh GELU)"
+        if vision.hidden_act != "gelu_pytorch_tanh" else None,
+    ]  # fmt: skip
+    found = [p for p in problems if p]
+    if found:
+        raise UserError(
+            f"{config.model_type}: {'; '.join(found)}: export refused rather than see differently"
+        )
+
+
+def idefics3_tiling(config, image_processor) -> int:
+    """The processor's longest edge, after checking that llama.cpp tiles pictures as it does: llama.cpp
+    always cuts a picture into tiles of the tower's size plus a global view."""
+    tile = config.vision_config.image_size
+    longest = getattr(image_processor.size, "longest_edge", None) or image_processor.size["longest_edge"]
+    largest = getattr(image_processor, "max_image_size", None) or {}
+    largest = getattr(largest, "longest_edge", None) or largest.get("longest_edge", tile)
+    if not getattr(image_processor, "do_image_splitting", True) or largest != tile or longest <= tile:
+        raise UserError(
+            f"{config.model_type}: the processor's tiling (do_image_splitting "
+            f"{getattr(image_processor, 'do_image_splitting', True)}, tiles of {largest}, longest edge {longest}) is not "
+            f"llama.cpp's, which always cuts a picture into {tile}-pixel tiles plus a global view"
+        )
+    return longest
+
+
+def write_idefics3_settings(writer, config, image_processor) -> None:
+    vision = config.vision_config
+    writer.add_vision_image_size(vision.image_size)
+    writer.add_vision_preproc_image_size(idefics3_tiling(config, image_processor))
+    writer.add_vision_embedding_length(vision.hidden_size)
+    writer.add_vision_feed_forward_length(vision.intermediate_size)
+    writer.add_vision_block_count(vision.num_hidden_layers)
+    writer.add_vision_head_count(vision.num_attention_heads)
+    writer.add_vision_attention_layernorm_eps(vision.layer_norm_eps)
+    writer.add_vision_use_gelu(True)
+    writer.add_vision_projector_scale_factor(config.scale_factor)
+
+
 def check_tower(config, family) -> None:
     """Every check the projector's writer makes, before any work (see the module's docstring)."""
     if family.projector == "pixtral":
         pixtral_checks(config)
+    elif family.projector == "idefics3":
+        idefics3_checks(config)
     elif family.projector == "gemma3":
         gemma3_pooling(config)
     elif family.projector == "qwen3vl_merger":
@@ -256,9 +307,12 @@ def write_projector(folder: Path, path: Path, config, family, image_processor, o
     writer.add_vision_patch_size(vision.patch_size)
     writer.add_vision_image_mean([float(v) for v in image_processor.image_mean])
     writer.add_vision_image_std([float(v) for v in image_processor.image_std])
-    settings = {"gemma3": write_gemma3_settings, "qwen3vl_merger": write_qwen3vl_settings,
-                "pixtral": write_pixtral_settings}  # fmt: skip
-    settings.get(kind, lambda writer, config: write_qwen_settings(writer, config, family))(writer, config)
+    if kind == "idefics3":
+        write_idefics3_settings(writer, config, image_processor)
+    else:
+        settings = {"gemma3": write_gemma3_settings, "qwen3vl_merger": write_qwen3vl_settings,
+                    "pixtral": write_pixtral_settings}  # fmt: skip
+        settings.get(kind, lambda writer, config: write_qwen_settings(writer, config, family))(writer, config)
     for name, piece in tower_tensors(folder, config, kind):
         gguf_name = (
             name
@@ -292,6 +346,8 @@ def tower_tensors(folder: Path, config, kind: str):
             yield from pixtral_tensors(hf_name, tensor, vision.num_attention_heads)
         elif kind == "gemma3":
             yield from gemma3_tensors(hf_name, tensor)
+        elif kind == "idefics3":
+            yield hf_name, tensor  # llama.cpp's map knows Idefics 3's names as saved
         else:
             yield from vision_tensors(hf_name, tensor)
 

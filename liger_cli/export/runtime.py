@@ -154,7 +154,8 @@ class Runtime:
     def image_log_probs(
         self, projector: Path, text: str, rgb: np.ndarray, size: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The image's embeddings (tokens x `size`: what llama.cpp's tower and projector make of it) and the
+        """The image's embeddings (tokens x `size`: what llama.cpp's tower and projector make of it, its tiles'
+        in prompt order where it cuts the picture) and the
         log softmax of llama.cpp's next-token logits after `text`, whose MEDIA marker stands for the image
         `rgb` (height x width x 3, uint8): llama.cpp's multimodal library (mtmd) with the projector file,
         its own preprocessing, tower, projector and positions."""
@@ -177,17 +178,21 @@ class Runtime:
             bitmaps = (mtmd_cpp.mtmd_bitmap_p_ctypes * 1)(bitmap)
             if mtmd_cpp.mtmd_tokenize(context, chunks, ctypes.byref(inputs), bitmaps, 1) != 0:
                 raise RunFailed("llama.cpp's multimodal library could not tokenize the image prompt")
-            image = next(
+            images = [
                 mtmd_cpp.mtmd_input_chunks_get(chunks, i) for i in range(mtmd_cpp.mtmd_input_chunks_size(chunks))
                 if mtmd_cpp.mtmd_input_chunk_get_type(mtmd_cpp.mtmd_input_chunks_get(chunks, i))
                 == mtmd_cpp.MTMD_INPUT_CHUNK_TYPE_IMAGE
-            )  # fmt: skip
-            if mtmd_cpp.mtmd_encode_chunk(context, image) != 0:
-                raise RunFailed("llama.cpp's multimodal library could not encode the probe image")
-            tokens = mtmd_cpp.mtmd_input_chunk_get_n_tokens(image)
-            embeddings = torch.from_numpy(
-                np.ctypeslib.as_array(mtmd_cpp.mtmd_get_output_embd(context), shape=(tokens * size,)).copy()
-            ).reshape(tokens, size)
+            ]  # fmt: skip
+            parts = []  # one chunk per image, or per tile and the global view (Idefics 3), in prompt order
+            for image in images:
+                if mtmd_cpp.mtmd_encode_chunk(context, image) != 0:
+                    raise RunFailed("llama.cpp's multimodal library could not encode the probe image")
+                tokens = mtmd_cpp.mtmd_input_chunk_get_n_tokens(image)
+                embedded = np.ctypeslib.as_array(
+                    mtmd_cpp.mtmd_get_output_embd(context), shape=(tokens * size,)
+                )
+                parts.append(torch.from_numpy(embedded.copy()).reshape(tokens, size))
+            embeddings = torch.cat(parts)
             llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self.model.ctx), True)
             past = llama_cpp.llama_pos(0)
             if mtmd_cpp.mtmd_helper_eval_chunks(

@@ -23,7 +23,8 @@ def probe_image(width: int, height: int):
     """A colour gradient, width x height RGB. A dynamic-size family's is 8 x 4 merged patches (Qwen2-VL's
     224 x 112, Qwen3-VL's 256 x 128, Mistral 3's 8 x 4 of patch x merge): a size both llama.cpp's
     preprocessing and the processor take as it is (32 image tokens; two of Qwen2.5-VL's 112-pixel attention
-    windows); Gemma 3's is its fixed image size. Both sides encode the same pixels."""
+    windows); Gemma 3's is its fixed image size; Idefics 3's one row of tiles at the processor's longest
+    edge (its global view resized by both sides with the same Lanczos filter)."""
     import numpy as np
 
     y, x = np.mgrid[0:height, 0:width]
@@ -43,15 +44,28 @@ def image_prompt(model, tokenizer, image_processor, before: str, after: str):
 
     config, vision = model.config, model.config.vision_config
     kind = config.model_type
+    tiled = kind in ("idefics3", "smolvlm")
     if kind == "gemma3":
         rgb = probe_image(vision.image_size, vision.image_size)
+    elif tiled:  # one row of tiles at the processor's longest edge: no resize of the tiles on either side
+        rgb = probe_image(image_processor.size.longest_edge, vision.image_size)
     else:
         merged = vision.patch_size * merge_of(config)
         rgb = probe_image(8 * merged, 4 * merged)
-    pixels = image_processor(images=[Image.fromarray(rgb)], return_tensors="pt")
+    row_col = {"return_row_col_info": True} if tiled else {}
+    pixels = image_processor(images=[Image.fromarray(rgb)], return_tensors="pt", **row_col)
     image_token = tokenizer.convert_ids_to_tokens(config.image_token_id)
     extra: dict = {}
-    if kind == "gemma3":  # <start_of_image>, the pooled image tokens, <end_of_image>; they attend both ways
+    if tiled:  # each tile after its <row_r_col_c> mark, a newline after each row, then the global view
+        per_tile = (vision.image_size // vision.patch_size) ** 2 // config.scale_factor**2
+        fake, rows, cols = "<fake_token_around_image>", pixels["rows"][0][0], pixels["cols"][0][0]
+        tiles = "".join(
+            "".join(f"{fake}<row_{r + 1}_col_{c + 1}>" + image_token * per_tile for c in range(cols)) + "\n"
+            for r in range(rows)
+        )
+        image, kinds_name = f"{tiles}\n{fake}<global-img>" + image_token * per_tile + fake, None
+        extra = {"pixel_attention_mask": pixels["pixel_attention_mask"]}
+    elif kind == "gemma3":  # <start_of_image>, the pooled image tokens, <end_of_image>; they attend both ways
         start, end = tokenizer.convert_ids_to_tokens([config.boi_token_index, config.eoi_token_index])
         image, kinds_name = start + image_token * config.mm_tokens_per_image + end, "token_type_ids"
     elif kind == "mistral3":  # rows of [IMG] closed by [IMG_BREAK], the last by [IMG_END]
