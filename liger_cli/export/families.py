@@ -36,15 +36,13 @@ FAMILIES = {
     "qwen3": Family("QWEN3"),
     "gemma3_text": Family("GEMMA3", norm_plus_one=True),
 }
-VISION_FAMILIES = {  # the language model as llama.cpp's qwen2vl (M-RoPE), the tower in the projector file
+VISION_FAMILIES = {  # the language model in one file, the tower and projector in llama.cpp's projector file
     "qwen2_vl": Family("QWEN2VL", projector="qwen2vl_merger"),
     "qwen2_5_vl": Family("QWEN2VL", projector="qwen2.5vl_merger"),
     "qwen3_vl": Family("QWEN3VL", projector="qwen3vl_merger"),  # interleaved M-RoPE, deepstack features
     "gemma3": Family("GEMMA3", projector="gemma3", norm_plus_one=True),  # SigLIP, pooled, RMSNorm, projection
     "mistral3": Family("LLAMA", permute_qk=True, projector="pixtral"),  # Pixtral tower, patch merger
-    "idefics3": Family(
-        "LLAMA", permute_qk=True, projector="idefics3"
-    ),  # SigLIP tiles, pixel shuffle (SmolVLM)
+    "idefics3": Family("LLAMA", permute_qk=True, projector="idefics3"),  # SigLIP tiles, pixel shuffle
     "smolvlm": Family("LLAMA", permute_qk=True, projector="idefics3"),  # SmolVLM2: Idefics 3's layout
 }
 

@@ -30,9 +30,10 @@ Gemma 3 (`gemma3`): a SigLIP tower at a fixed image size, its patches average-po
 mm_tokens_per_image (llama.cpp's scale factor: patches per side over pooled tokens per side), an RMSNorm
 (Gemma's, so its weight + 1) and a projection llama.cpp reads in Hugging Face's layout.
 
-`check_tower` runs every check of the writers below before any work: what llama.cpp's graph for the
-projector fixes (Qwen3-VL's 2x2 merge, its tower's tanh GELU and RoPE base, Gemma 3's square pooling,
-Qwen2.5-VL's window pattern) is refused by name where the model differs.
+`check_tower` runs the writers' checks before any work: what llama.cpp's graph for the projector fixes
+(Qwen3-VL's 2x2 merge, its tower's tanh GELU and RoPE base; Mistral 3's SiLU tower, GELU projector and
+norm epsilon; Idefics 3's tanh GELU; Gemma 3's square pooling; Qwen2.5-VL's window pattern) is refused by
+name where the model differs. Idefics 3's tiling is the processor's, checked as the file is written.
 """
 
 from __future__ import annotations
