@@ -684,9 +684,12 @@ def test_a_vision_language_model_exports_with_its_projector(family: str, tmp_pat
     assert set(VISION) == set(VISION_FAMILIES)  # every vision-language family liger exports is walked here
     projector_type, arch, tensors, breaks = VISION[family]
     path = tmp_path / family
-    builders = {"gemma3": tiny_gemma3_vlm, "mistral3": tiny_mistral3, "idefics3": lambda path: tiny_idefics3(path, "idefics3"),
-                "smolvlm": lambda path: tiny_idefics3(path, "smolvlm")}  # fmt: skip
-    model = builders[family](path) if family in builders else tiny_qwen_vl(path, family)
+    if family in ("idefics3", "smolvlm"):
+        model = tiny_idefics3(path, family)
+    elif family in ("gemma3", "mistral3"):
+        model = tiny_gemma3_vlm(path) if family == "gemma3" else tiny_mistral3(path)
+    else:
+        model = tiny_qwen_vl(path, family)
     done = export(model, tmp_path / "out", quant="f32", ollama=True)
     names = {p.name for p in (tmp_path / "out").iterdir()}
     assert names == {
@@ -721,29 +724,25 @@ def test_a_vision_language_model_exports_with_its_projector(family: str, tmp_pat
     assert not (tmp_path / "broken").exists()
 
 
+def edit_json(path: Path, change) -> None:
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
 def refused_sources(tmp_path: Path, runs: dict[str, Path]) -> dict[str, tuple[Path, dict, str]]:
     """name -> (source, export keywords, the error's words)."""
     from vlm_models import save_tiny_vlm
 
     yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
     spm = save_tiny_model(tmp_path / "spm", "llama")  # byte fallback on a byte-level decoder: neither kind
-    data = json.loads((spm / "tokenizer.json").read_text())
-    data["model"]["byte_fallback"] = True
-    (spm / "tokenizer.json").write_text(json.dumps(data))
+    edit_json(spm / "tokenizer.json", lambda data: data["model"].update(byte_fallback=True))
     qwen3 = tiny_qwen_vl(tmp_path / "qwen3-vl", "qwen3_vl")  # an erf GELU in the tower: llama.cpp's is tanh
-    data = json.loads((qwen3 / "config.json").read_text())
-    data["vision_config"]["hidden_act"] = "gelu"
-    (qwen3 / "config.json").write_text(json.dumps(data))
-    mistral3 = tiny_mistral3(
-        tmp_path / "mistral3"
-    )  # an exact GELU gating the tower: llama.cpp's gates with SiLU
-    data = json.loads((mistral3 / "config.json").read_text())
-    data["vision_config"]["hidden_act"] = "gelu"
-    (mistral3 / "config.json").write_text(json.dumps(data))
+    edit_json(qwen3 / "config.json", lambda data: data["vision_config"].update(hidden_act="gelu"))
+    mistral3 = tiny_mistral3(tmp_path / "mistral3")  # the tower gated by an erf GELU: llama.cpp's by SiLU
+    edit_json(mistral3 / "config.json", lambda data: data["vision_config"].update(hidden_act="gelu"))
     smolvlm = tiny_idefics3(tmp_path / "smolvlm", "smolvlm")  # untiled pictures: llama.cpp always tiles
-    data = json.loads((smolvlm / "preprocessor_config.json").read_text())
-    data["do_image_splitting"] = False
-    (smolvlm / "preprocessor_config.json").write_text(json.dumps(data))
+    edit_json(smolvlm / "preprocessor_config.json", lambda data: data.update(do_image_splitting=False))
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "notes.txt").write_text("mine")
