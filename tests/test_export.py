@@ -427,15 +427,26 @@ def test_a_chat_models_end_of_turn_is_where_llama_cpp_stops(tmp_path: Path, monk
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chat", "out"]
 
 
+def save_vlm(path: Path, config, tokenizer) -> None:
+    """A tiny VLM of `config` with larger weights (peaked distributions), saved with its tokenizer."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    for part in (config, config.text_config, config.vision_config):
+        part.initializer_range = 0.2
+    torch.manual_seed(1)
+    AutoModelForImageTextToText.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
 def tiny_qwen_vl(path: Path, family: str) -> Path:
     """A tiny Qwen2-VL (vlm_models.py's), Qwen2.5-VL (two blocks: the first in 112-pixel windows, the
     second full) or Qwen3-VL (Qwen3-VL's rotary layout: 128-wide heads, interleaved sections 24/20/20, base
     5e6; a 3-block tower of 16-pixel patches whose 4 x 4 position grid is interpolated, deepstack mergers
     on its first two blocks) with larger weights (peaked distributions), Qwen-VL's own RMSNorm epsilon
     (1e-6) and the image processor saved beside it."""
-    import torch
     from conftest import tiny_llama_settings
-    from transformers import AutoConfig, AutoModelForImageTextToText, Qwen2VLImageProcessorPil
+    from transformers import AutoConfig, Qwen2VLImageProcessorPil
     from vlm_models import QWEN_TOKENS, _tokenizer, qwen2_vl_config
 
     tokenizer = _tokenizer(QWEN_TOKENS)
@@ -463,11 +474,7 @@ def tiny_qwen_vl(path: Path, family: str) -> Path:
         config = AutoConfig.for_model("qwen3_vl", text_config=text.to_dict(), vision_config=vision,
                                       tie_word_embeddings=False, **ids)  # fmt: skip
         processor = {"patch_size": 16, "image_mean": [0.5] * 3, "image_std": [0.5] * 3}  # Qwen3-VL's
-    for part in (config, config.text_config, config.vision_config):
-        part.initializer_range = 0.2
-    torch.manual_seed(1)
-    AutoModelForImageTextToText.from_config(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    save_vlm(path, config, tokenizer)
     Qwen2VLImageProcessorPil(**processor).save_pretrained(path)
     return path
 
@@ -522,9 +529,8 @@ def tiny_mistral3(path: Path) -> Path:
     """A tiny Mistral 3: a Mistral language model (the projector norm's epsilon 1e-5, as Mistral Small
     3.1's), a 2-block Pixtral tower of 8-pixel patches (SiLU, 2D RoPE) merged 2x2, the quickstart tokenizer
     with Pixtral's image tokens, and the image processor saved beside it."""
-    import torch
     from conftest import tiny_llama_settings
-    from transformers import AutoConfig, AutoModelForImageTextToText, PixtralImageProcessorPil
+    from transformers import AutoConfig, PixtralImageProcessorPil
     from vlm_models import _tokenizer
 
     tokenizer = _tokenizer(["[IMG]", "[IMG_BREAK]", "[IMG_END]"])
@@ -535,11 +541,7 @@ def tiny_mistral3(path: Path) -> Path:
               "num_attention_heads": 4, "head_dim": 8, "image_size": 128, "patch_size": 8, "hidden_act": "silu"}  # fmt: skip
     config = AutoConfig.for_model("mistral3", text_config=text.to_dict(), vision_config=vision, spatial_merge_size=2,
                                   image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"), tie_word_embeddings=False)  # fmt: skip
-    for part in (config, config.text_config, config.vision_config):
-        part.initializer_range = 0.2
-    torch.manual_seed(1)
-    AutoModelForImageTextToText.from_config(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    save_vlm(path, config, tokenizer)
     PixtralImageProcessorPil(size={"longest_edge": 128}, patch_size=8).save_pretrained(path)
     return path
 
@@ -549,11 +551,9 @@ def tiny_idefics3(path: Path, family: str) -> Path:
     8-pixel patches, pixel-shuffled 2x2 into 4 tokens a tile, pictures resized to a longest edge of 64 (two
     tiles a row), the quickstart tokenizer with the image tokens and a "\n\n" token (llama.cpp's mtmd puts
     it before the global view), and the image processor saved beside it."""
-    import torch
     from conftest import tiny_llama_settings
     from transformers import (
         AutoConfig,
-        AutoModelForImageTextToText,
         Idefics3ImageProcessorPil,
         SmolVLMImageProcessorPil,
     )
@@ -567,11 +567,7 @@ def tiny_idefics3(path: Path, family: str) -> Path:
               "image_size": 32, "patch_size": 8}  # fmt: skip
     config = AutoConfig.for_model(family, text_config=text.to_dict(), vision_config=vision, scale_factor=2,
                                   image_token_id=tokenizer.convert_tokens_to_ids("<image>"), tie_word_embeddings=False)  # fmt: skip
-    for part in (config, config.text_config, config.vision_config):
-        part.initializer_range = 0.2
-    torch.manual_seed(1)
-    AutoModelForImageTextToText.from_config(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    save_vlm(path, config, tokenizer)
 
     processor = Idefics3ImageProcessorPil if family == "idefics3" else SmolVLMImageProcessorPil
     processor(size={"longest_edge": 64}, max_image_size={"longest_edge": 32}).save_pretrained(path)

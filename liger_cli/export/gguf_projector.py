@@ -189,14 +189,24 @@ def image_break_id(folder: Path) -> int:
     return found[0]
 
 
+def write_tower_shape(writer, image_size: int, width: int, ffn: int, blocks: int, heads: int, eps: float):
+    """The sizes every projector type's tower is built from."""
+    writer.add_vision_image_size(image_size)
+    writer.add_vision_embedding_length(width)
+    writer.add_vision_feed_forward_length(ffn)
+    writer.add_vision_block_count(blocks)
+    writer.add_vision_head_count(heads)
+    writer.add_vision_attention_layernorm_eps(eps)
+
+
+def write_siglip_shape(writer, vision, eps: float) -> None:
+    """A SigLIP-style config's sizes (Gemma 3, Idefics 3, Pixtral name them alike)."""
+    write_tower_shape(writer, vision.image_size, vision.hidden_size, vision.intermediate_size,
+                      vision.num_hidden_layers, vision.num_attention_heads, eps)  # fmt: skip
+
+
 def write_pixtral_settings(writer, config) -> None:
-    vision = config.vision_config
-    writer.add_vision_image_size(vision.image_size)
-    writer.add_vision_embedding_length(vision.hidden_size)
-    writer.add_vision_feed_forward_length(vision.intermediate_size)
-    writer.add_vision_block_count(vision.num_hidden_layers)
-    writer.add_vision_head_count(vision.num_attention_heads)
-    writer.add_vision_attention_layernorm_eps(PIXTRAL_NORM_EPS)
+    write_siglip_shape(writer, config.vision_config, PIXTRAL_NORM_EPS)
     writer.add_vision_use_silu(True)
     writer.add_vision_spatial_merge_size(config.spatial_merge_size)
 
@@ -233,14 +243,8 @@ def idefics3_tiling(config, image_processor) -> int:
 
 
 def write_idefics3_settings(writer, config, image_processor) -> None:
-    vision = config.vision_config
-    writer.add_vision_image_size(vision.image_size)
+    write_siglip_shape(writer, config.vision_config, config.vision_config.layer_norm_eps)
     writer.add_vision_preproc_image_size(idefics3_tiling(config, image_processor))
-    writer.add_vision_embedding_length(vision.hidden_size)
-    writer.add_vision_feed_forward_length(vision.intermediate_size)
-    writer.add_vision_block_count(vision.num_hidden_layers)
-    writer.add_vision_head_count(vision.num_attention_heads)
-    writer.add_vision_attention_layernorm_eps(vision.layer_norm_eps)
     writer.add_vision_use_gelu(True)
     writer.add_vision_projector_scale_factor(config.scale_factor)
 
@@ -266,26 +270,16 @@ def check_tower(config, family) -> None:
 
 
 def write_gemma3_settings(writer, config) -> None:
-    vision = config.vision_config
-    scale = gemma3_pooling(config)
-    writer.add_vision_image_size(vision.image_size)
-    writer.add_vision_embedding_length(vision.hidden_size)
-    writer.add_vision_feed_forward_length(vision.intermediate_size)
-    writer.add_vision_block_count(vision.num_hidden_layers)
-    writer.add_vision_head_count(vision.num_attention_heads)
-    writer.add_vision_attention_layernorm_eps(vision.layer_norm_eps)
+    write_siglip_shape(writer, config.vision_config, config.vision_config.layer_norm_eps)
     writer.add_vision_use_gelu(True)
-    writer.add_vision_projector_scale_factor(scale)
+    writer.add_vision_projector_scale_factor(gemma3_pooling(config))
 
 
 def write_qwen3vl_settings(writer, config) -> None:
     vision = config.vision_config
-    writer.add_vision_image_size(qwen3vl_grid(vision) * vision.patch_size)  # the grid it was trained at
-    writer.add_vision_embedding_length(vision.hidden_size)
-    writer.add_vision_feed_forward_length(vision.intermediate_size)
-    writer.add_vision_block_count(vision.depth)
-    writer.add_vision_head_count(vision.num_heads)
-    writer.add_vision_attention_layernorm_eps(QWEN_VL_NORM_EPS)
+    size = qwen3vl_grid(vision) * vision.patch_size  # the picture size its position grid was trained at
+    write_tower_shape(writer, size, vision.hidden_size, vision.intermediate_size, vision.depth, vision.num_heads,
+                      QWEN_VL_NORM_EPS)  # fmt: skip
     writer.add_vision_use_gelu(True)
     writer.add_vision_spatial_merge_size(vision.spatial_merge_size)
     deepstack = set(vision.deepstack_visual_indexes)
@@ -355,17 +349,12 @@ def tower_tensors(folder: Path, config, kind: str):
 
 def write_qwen_settings(writer, config, family) -> None:
     vision = config.vision_config
-    writer.add_vision_image_size(IMAGE_SIZE)
     width = (
         getattr(vision, "embed_dim", None) or vision.hidden_size
     )  # Qwen2-VL names it embed_dim, 2.5 hidden_size
     ffn = int(width * vision.mlp_ratio) if getattr(vision, "mlp_ratio", None) else vision.intermediate_size
-    writer.add_vision_embedding_length(width)
-    writer.add_vision_feed_forward_length(ffn)
-    writer.add_vision_block_count(vision.depth)
+    write_tower_shape(writer, IMAGE_SIZE, width, ffn, vision.depth, vision.num_heads, QWEN_VL_NORM_EPS)
     if family.projector == "qwen2.5vl_merger":  # window attention, full every n-th block; SiLU-gated MLPs
         writer.add_vision_use_silu(True)
         writer.add_vision_n_wa_pattern(window_pattern(vision.fullatt_block_indexes))
-    writer.add_vision_head_count(vision.num_heads)
-    writer.add_vision_attention_layernorm_eps(QWEN_VL_NORM_EPS)
     writer.add_vision_spatial_merge_size(vision.spatial_merge_size)
