@@ -5,6 +5,6 @@ LM Studio), and verified in that runtime against liger's own engine before it co
 family becomes in llama.cpp (or refuses it), `gguf_tokenizer.py` and `gguf_file.py` write the file with
 llama.cpp's own `gguf` package (`gguf_projector.py` a vision-language model's projector file),
 `runtime.py` loads and quantizes it through llama.cpp's library, `verify.py` checks tokens, template,
-next-token log-probs, images and stops, `ollama.py` writes a Modelfile.
+next-token log-probs and stops (`verify_image.py` a probe picture), `ollama.py` writes a Modelfile.
 A command on top of the flow: it may import every stage, and `liger_cli.merge`.
 """

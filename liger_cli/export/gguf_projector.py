@@ -230,14 +230,13 @@ def idefics3_tiling(config, image_processor) -> int:
     """The processor's longest edge, after checking that llama.cpp tiles pictures as it does: llama.cpp
     always cuts a picture into tiles of the tower's size plus a global view."""
     tile = config.vision_config.image_size
-    longest = getattr(image_processor.size, "longest_edge", None) or image_processor.size["longest_edge"]
-    largest = getattr(image_processor, "max_image_size", None) or {}
-    largest = getattr(largest, "longest_edge", None) or largest.get("longest_edge", tile)
-    if not getattr(image_processor, "do_image_splitting", True) or largest != tile or longest <= tile:
+    longest, largest = image_processor.size["longest_edge"], image_processor.max_image_size["longest_edge"]
+    splitting = image_processor.do_image_splitting
+    if not splitting or largest != tile or longest <= tile:
         raise UserError(
-            f"{config.model_type}: the processor's tiling (do_image_splitting "
-            f"{getattr(image_processor, 'do_image_splitting', True)}, tiles of {largest}, longest edge {longest}) is not "
-            f"llama.cpp's, which always cuts a picture into {tile}-pixel tiles plus a global view"
+            f"{config.model_type}: the processor's tiling (do_image_splitting {splitting}, tiles of {largest}, "
+            f"longest edge {longest}) is not llama.cpp's, which always cuts a picture into {tile}-pixel tiles "
+            "plus a global view"
         )
     return longest
 

@@ -154,11 +154,12 @@ class Runtime:
     def image_log_probs(
         self, projector: Path, text: str, rgb: np.ndarray, size: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The image's embeddings (tokens x `size`: what llama.cpp's tower and projector make of it, its tiles'
-        in prompt order where it cuts the picture) and the
-        log softmax of llama.cpp's next-token logits after `text`, whose MEDIA marker stands for the image
-        `rgb` (height x width x 3, uint8): llama.cpp's multimodal library (mtmd) with the projector file,
-        its own preprocessing, tower, projector and positions."""
+        """The image's embeddings (tokens x `size`: what llama.cpp's tower and projector make of it, tile by
+        tile in prompt order where it cuts the picture) and the log softmax of llama.cpp's next-token
+        logits after `text`, whose MEDIA marker stands for the image `rgb` (height x width x 3, uint8):
+        llama.cpp's multimodal library (mtmd) with the projector file, its own preprocessing, tower,
+        projector and positions. The evaluation encodes the image again (mtmd's helper takes no
+        embeddings): twice the tower on one probe picture."""
         mtmd_cpp = multimodal_binding()
         llama_cpp = self.llama_cpp
         params = mtmd_cpp.mtmd_context_params_default()

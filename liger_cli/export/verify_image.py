@@ -48,7 +48,7 @@ def image_prompt(model, tokenizer, image_processor, before: str, after: str):
     if kind == "gemma3":
         rgb = probe_image(vision.image_size, vision.image_size)
     elif tiled:  # one row of tiles at the processor's longest edge: no resize of the tiles on either side
-        rgb = probe_image(image_processor.size.longest_edge, vision.image_size)
+        rgb = probe_image(image_processor.size["longest_edge"], vision.image_size)
     else:
         merged = vision.patch_size * merge_of(config)
         rgb = probe_image(8 * merged, 4 * merged)
@@ -84,27 +84,24 @@ def image_prompt(model, tokenizer, image_processor, before: str, after: str):
     ids = tokenizer(before + image + after, add_special_tokens=False, return_tensors="pt")["input_ids"]
     inputs = {"input_ids": ids, "pixel_values": pixels["pixel_values"], **extra}
     if kinds_name:
-        inputs[kinds_name] = (
-            ids == config.image_token_id
-        ).long()  # the processor's marks: 1 for an image token
-    return rgb, inputs, image_features(model, tokenizer, pixels["pixel_values"], extra)
+        inputs[kinds_name] = (ids == config.image_token_id).long()  # the processor's marks: 1 an image token
+    features = image_features(model, pixels["pixel_values"], extra)
+    if kind == "mistral3":  # llama.cpp's image chunk holds the [IMG_BREAK] rows itself
+        brk = model.get_input_embeddings().weight[tokenizer.convert_tokens_to_ids("[IMG_BREAK]")].detach()
+        parts = [features[r * cols : (r + 1) * cols] for r in range(rows)]
+        features = torch.cat([piece for part in parts for piece in (part, brk[None])][:-1])
+    return rgb, inputs, features
 
 
-def image_features(model, tokenizer, pixel_values, extra: dict) -> torch.Tensor:
+def image_features(model, pixel_values, extra: dict) -> torch.Tensor:
+    """The model's tower and projector on the pixels: one row per image token (Qwen3-VL's deepstack
+    features appended to each, as llama.cpp lays them out)."""
     config = model.config
     layer = {"vision_feature_layer": config.vision_feature_layer} if config.model_type == "mistral3" else {}
     with torch.no_grad():
         found = model.model.get_image_features(pixel_values, **extra, **layer)
     deepstack = [features[0] for features in getattr(found, "deepstack_features", None) or []]
-    features = torch.cat([found.pooler_output[0], *deepstack], dim=-1)
-    if config.model_type != "mistral3":
-        return features
-    rows, cols = (
-        int(side) // (config.vision_config.patch_size * merge_of(config)) for side in extra["image_sizes"][0]
-    )
-    brk = model.get_input_embeddings().weight[tokenizer.convert_tokens_to_ids("[IMG_BREAK]")].detach()
-    parts = [features[r * cols : (r + 1) * cols] for r in range(rows)]
-    return torch.cat([piece for part in parts for piece in (part, brk[None])][:-1])
+    return torch.cat([found.pooler_output[0], *deepstack], dim=-1)
 
 
 def check_image(runtime, projector, model, tokenizer, image_processor, out_type: str, report: Report) -> None:
