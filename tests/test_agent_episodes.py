@@ -16,7 +16,8 @@ from liger_cli.errors import UserError
 from liger_cli.generate.engine import Completion
 from liger_cli.generate.episodes import Segment, Trajectory, TurnRenderer, probe, run_episodes
 from liger_cli.generate.prompts import Renderer
-from liger_cli.generate.tool_calls import Call, parse_turn
+from liger_cli.generate.tool_calls import Call, Result, parse_turn
+from liger_cli.generate.tool_pool import ToolPool
 from liger_cli.recipe.rl_section import RLSection
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,6 +57,14 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(AGENT_TOKENIZER)
 
 
+class Toolbox:
+    """A ToolSet and its tool processes, as a run holds them."""
+
+    def __init__(self, toolset, workers: int = 4, timeout: float = 60.0, memory_mb: int = 1024):
+        self.set, self.schemas = toolset, toolset.schemas
+        self.pool = ToolPool(toolset, workers, timeout, memory_mb)
+
+
 @pytest.fixture()
 def tools(tmp_path):
     (tmp_path / "tools.py").write_text(TOOLS_PY)
@@ -63,7 +72,9 @@ def tools(tmp_path):
         rewards=[{"function": "liger_cli.rewards:exact_match"}],
         tools=[f"{tmp_path / 'tools.py'}:lookup", f"{tmp_path / 'tools.py'}:add"],
     )
-    return load_tools(rl)
+    box = Toolbox(load_tools(rl))
+    yield box
+    box.pool.shutdown()
 
 
 class Script:
@@ -90,8 +101,7 @@ def start(tokenizer, tools, key: str, question: str = "What is 17 in the table?"
     messages = [{"role": "user", "content": question}]
     renderer = TurnRenderer(tokenizer, tools.schemas, Renderer(tokenizer, "chat").stop_ids())
     prompt = renderer.encode(messages, generation_prompt=True)
-    bound, env = tools.bind({}, 1)
-    return Trajectory(key, messages, [Segment(prompt)], bound, env)
+    return Trajectory(key, messages, [Segment(prompt)], tools.pool.open({}, 1))
 
 
 def episodes(
@@ -101,7 +111,7 @@ def episodes(
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
     return run_episodes(
         trajectories, script, lambda local: local, renderer, append=append, max_turns=max_turns,
-        max_new_tokens=max_new_tokens, max_seq_len=max_seq_len, tool_workers=4, decode=decode,
+        max_new_tokens=max_new_tokens, max_seq_len=max_seq_len, tools=tools.pool, decode=decode,
     )  # fmt: skip
 
 
@@ -172,8 +182,8 @@ def test_stops_max_turns_and_length(tokenizer, tools):
     assert len(s.segments[0].prompt_ids) + len(s.segments[0].ids) <= room
 
 
-def test_tool_results_are_placed_in_call_order_whatever_the_threads(tokenizer, tools):
-    """Calls whose threads finish in reverse order: each result sits after its own call, every run."""
+def test_tool_results_are_placed_in_call_order_whatever_the_processes(tokenizer, tools):
+    """Calls whose processes finish in reverse order: each result sits after its own call, every run."""
     turns = {
         f"t{k}": ["".join(f'<tool_call>{{"name": "add", "arguments": {{"a": {a}, "b": {k}}}}}</tool_call>'
                           for a in range(1, 6)), "done"]
@@ -257,13 +267,20 @@ def test_an_environment_is_built_per_trajectory_from_its_row(tmp_path):
     assert tools.schemas[0]["function"]["parameters"]["properties"] == {
         "n": {"type": "integer", "description": "how many"}
     }
-    bound, shop = tools.bind({"stock": 5, "answer": "x"}, 1)
-    assert bound["buy"](n=2) == "3" and shop.stock == 3
-    assert tools.bind({"stock": 5}, 2)[1] is not shop
-    with pytest.raises(
-        ToolError, match=r"Shop\(\*\*row fields\) raised on prompt row 7: ValueError: negative stock"
-    ):
-        tools.bind({"stock": -1}, 7)
+    pool = ToolPool(tools, 2, 60.0, 1024)
+    try:
+        first, second = pool.open({"stock": 5, "answer": "x"}, 1), pool.open({"stock": 5}, 2)
+        assert pool.run([(first, [Call("buy", {"n": 2})]), (second, [Call("buy", {"n": 1})])]) == [
+            [Result("buy", "3", False)],
+            [Result("buy", "4", False)],
+        ]
+        assert pool.state(first).stock == 3 and pool.state(second).stock == 4  # each its own instance
+        with pytest.raises(
+            ToolError, match=r"Shop\(\*\*row fields\) raised on prompt row 7: ValueError: negative stock"
+        ):
+            pool.open({"stock": -1}, 7)
+    finally:
+        pool.shutdown()
 
 
 def test_tools_that_cannot_load_or_be_described_are_named(tmp_path):
@@ -320,6 +337,8 @@ class FakeSampler:
     def trajectories(self, rows, keys, greedy=False):
         found = [start(self.tokenizer, self.tools, str(k)) for k in keys]
         episodes(self.tokenizer, self.tools, found, self.script, append=self.append, max_turns=self.max_turns)
+        for t in found:
+            t.environment = self.tools.pool.state(t.handle)
         return found
 
     def text(self, t):
@@ -409,19 +428,34 @@ def test_a_kernel_that_leaks_environment_tokens_into_the_loss_is_switched_off(mo
 
 
 def test_rewards_see_the_conversation_and_the_environment(tokenizer, tmp_path):
+    """Reward functions get each trajectory's messages and its environment as its tool process left it."""
     (tmp_path / "r.py").write_text(
         "def used_tool(completions, messages, **kwargs):\n"
         "    return [float(any(m['role'] == 'tool' for m in ms)) for ms in messages]\n"
+        "def looked(completions, environment, **kwargs):\n"
+        "    return [float(len(e.seen)) for e in environment]\n"
     )
-    (tmp_path / "tools.py").write_text(TOOLS_PY)
+    (tmp_path / "env.py").write_text(
+        "class Table:\n"
+        "    def __init__(self):\n        self.seen = []\n\n"
+        "    def lookup(self, key: str) -> str:\n"
+        '        """Look a key up.\n\n        Args:\n            key: the key\n        """\n'
+        "        self.seen.append(key)\n        return '391'\n"
+    )
     from liger_cli.model.objectives.grpo import Grpo
     from liger_cli.model.objectives.rewards import load_rewards
 
-    rl = RLSection(rewards=[{"function": f"{tmp_path / 'r.py'}:used_tool"}], num_generations=2,
-                   tools=[f"{tmp_path / 'tools.py'}:lookup"])  # fmt: skip
-    tools = load_tools(rl)
+    rl = RLSection(rewards=[{"function": f"{tmp_path / 'r.py'}:used_tool"}, {"function": f"{tmp_path / 'r.py'}:looked"}],
+                   num_generations=2, environment=f"{tmp_path / 'env.py'}:Table")  # fmt: skip
+    box = Toolbox(load_tools(rl), workers=2)
     objective = Grpo(rl, load_rewards(rl.rewards), 0, True)
-    turns = {"0:0:0": [CALL, "391"], "0:0:1": ["12"]}
+    turns = {"0:0:0": [CALL + CALL, "391"], "0:0:1": ["12"]}
     prompts = [{"prompt": '"q"', "fields": "{}", "row": 0, "prompt_ids": []}]
-    _, rows = objective._sample(0, prompts, FakeSampler(tokenizer, tools, Script(tokenizer, turns)))
-    assert [r["reward"] for r in rows] == [1.0, 0.0]
+    try:
+        _, rows = objective._sample(0, prompts, FakeSampler(tokenizer, box, Script(tokenizer, turns)))
+    finally:
+        box.pool.shutdown()
+    assert [r["rewards"] for r in rows] == [
+        {"used_tool": 1.0, "looked": 2.0},
+        {"used_tool": 0.0, "looked": 0.0},
+    ]

@@ -20,7 +20,8 @@ from test_train import liger, liger_here
 REPO = Path(__file__).resolve().parents[1]
 AGENT = REPO / "recipes" / "agent"
 FIELDS = ["step", "prompt", "prompt_ids", "completion", "completion_ids", "completion_mask", "sampler_logprobs",
-          "messages", "turns", "tool_calls", "tool_errors", "finish_reason", "rewards", "reward", "advantage"]  # fmt: skip
+          "messages", "turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_crashes", "finish_reason", "rewards",
+          "reward", "advantage"]  # fmt: skip
 pytestmark = pytest.mark.timeout(1800)
 
 

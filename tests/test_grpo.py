@@ -315,7 +315,7 @@ def test_rewards_are_called_with_the_fields_and_weighted(tmp_path):
     )
     assert [r.name for r in rewards] == ["exact_match", "short", "maybe"]
     totals, per = score(rewards, ["12", "twelve", "12 "], ["p"] * 3, [[1], [2], [3]],
-                        {"answer": ["12", "12", "13"], "task": ["a", "skip", "a"]}, [1, 1, 2])  # fmt: skip
+                        {"answer": ["12", "12", "13"], "task": ["a", "skip", "a"]}, [1, 1, 2], timeout=60)  # fmt: skip
     assert per == {"exact_match": [1.0, 0.0, 0.0], "short": [1.0, 0.0, 1.0], "maybe": [2.0, None, 2.0]}
     assert totals == [1.0 + 0.5 + 2.0, 0.0, 0.5 + 2.0]
 
@@ -339,9 +339,28 @@ def test_a_reward_function_that_breaks_the_contract_is_named(tmp_path, body, mes
     )
     rewards = load_rewards([spec(f"{file}:bad")])
     with pytest.raises(RewardError) as err:
-        score(rewards, ["ok", "no"], ["p", "q"], [[1], [2]], {}, [3, 8])
+        score(rewards, ["ok", "no"], ["p", "q"], [[1], [2]], {}, [3, 8], timeout=60)
     assert message.replace("FILE", str(file)) in str(err.value)
     assert isinstance(err.value, UserError)
+
+
+def test_a_reward_function_that_hangs_is_named_with_its_row(tmp_path):
+    """A function that never returns on row 8's completion: the run's error names it and the row, after
+    rl.reward_timeout, instead of a silent stall (the stuck thread is a daemon: it ends with the process)."""
+    file = tmp_path / "r.py"
+    file.write_text(
+        "import threading\n"
+        "def stuck(completions, **kw):\n"
+        "    if 'no' in completions:\n        threading.Event().wait()\n"
+        "    return [1.0] * len(completions)\n"
+    )
+    rewards = load_rewards([spec(f"{file}:stuck")])
+    with pytest.raises(RewardError) as err:
+        score(rewards, ["ok", "no"], ["p", "q"], [[1], [2]], {}, [3, 8], timeout=0.5)
+    assert str(err.value) == (
+        f"reward stuck ({file}:stuck) did not return within 0.5 s (rl.reward_timeout) on prompt row 8: make it "
+        "return (or raise) sooner, or raise rl.reward_timeout"
+    )
 
 
 def test_reward_functions_that_do_not_load_are_named(tmp_path):

@@ -72,7 +72,13 @@ def test_the_cycle_check_sees_type_checking_and_relative_imports(tmp_path) -> No
 
 # The flow, first to last: a stage may import the stages before it, never one after it. The base
 # (errors, process-wide state) is below every stage; the commands sit on top of all of them.
-BASE = ("liger_cli", "liger_cli.errors", "liger_cli.process_state", "liger_cli.rewards")
+BASE = (
+    "liger_cli",
+    "liger_cli.errors",
+    "liger_cli.process_state",
+    "liger_cli.rewards",
+    "liger_cli.user_code",
+)
 STAGES = ("recipe", "data", "model", "generate", "twin", "plan", "launch", "run")
 COMMANDS = (
     "liger_cli.cli",

@@ -65,7 +65,7 @@ def restored_process_state():
     """Run a command or a training in this process, then put back what it changed process-wide, so later
     tests of this worker see nothing of it: the environment, transformers' log level and progress bars,
     the DeepSpeed logger's level, accelerate's singletons and the user's files it imported (rewards,
-    tools: data/user_code.py keeps them in sys.modules by path, where a fresh process would import them
+    tools: user_code.py keeps them in sys.modules by path, where a fresh process would import them
     anew). peft is imported first (bitsandbytes visible, as in the worker), so the run does not hide
     bitsandbytes from the rest of the worker (`hide_bitsandbytes_unless_quantized` leaves a process
     alone once peft is imported). glibc's mmap threshold, which a CPU launch lowers to 1 MiB, stays

@@ -1,7 +1,8 @@
 """What the model may call in a multi-turn run: `rl.tools` (plain functions) or `rl.environment` (a class,
 one instance per trajectory, built from its prompt row's other fields; its public methods are the tools).
 
-The model learns of the tools through the chat template's own `tools=` argument, with JSON schemas
+They run in processes of their own (`liger_cli.generate.tool_pool`); here they are loaded once to be
+described and checked. The model learns of the tools through the chat template's own `tools=` argument, with JSON schemas
 made by transformers' `get_json_schema` from each function's signature and docstring, so the
 prompts a run trains on are the prompts `liger chat --tools` shows. Everything that is the user's
 code going wrong (a file that does not import, a function without a describable signature, a
@@ -16,8 +17,8 @@ import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from liger_cli.data.user_code import load_object, said
 from liger_cli.errors import UserError
+from liger_cli.user_code import load_object, said
 
 
 class ToolError(UserError):
@@ -31,22 +32,12 @@ class ToolSet:
     functions: dict[str, Callable]
     """Plain tools by name (empty with an environment)."""
     environment: type | None = None
-    spec: str = ""
-    """What the recipe named: the environment's spec, or the tools' specs joined."""
+    sources: tuple[str, ...] = ()
+    """What the recipe named: the environment's spec, or each tool's (the tool processes load these)."""
 
-    def bind(self, fields: dict, row: int) -> tuple[dict[str, Callable], object | None]:
-        """One trajectory's tools (name -> callable) and its environment instance (None for plain tools).
-        `row` (1-based) is named when the environment's constructor raises."""
-        if self.environment is None:
-            return self.functions, None
-        try:
-            instance = self.environment(**fields)
-        except Exception as err:  # noqa: BLE001 - the user's constructor: any failure is theirs
-            raise ToolError(
-                f"rl.environment: {self.spec}: {self.environment.__name__}(**row fields) raised on prompt row "
-                f"{row}: {said(err)} (it is built from each row's fields other than prompt)"
-            ) from None
-        return {name: getattr(instance, name) for name in public_methods(self.environment)}, instance
+    @property
+    def spec(self) -> str:
+        return ", ".join(self.sources)
 
 
 def load_tools(rl) -> ToolSet | None:
@@ -64,7 +55,7 @@ def load_tools(rl) -> ToolSet | None:
             raise ToolError(f"rl.environment: {rl.environment}: {cls.__name__} has no public method to call")
         bound = {name: types.MethodType(getattr(cls, name), object()) for name in names}  # self left out
         return ToolSet(
-            [_schema(f, rl.environment, name) for name, f in bound.items()], {}, cls, rl.environment
+            [_schema(f, rl.environment, name) for name, f in bound.items()], {}, cls, (rl.environment,)
         )
     functions: dict[str, Callable] = {}
     for spec in rl.tools:
@@ -76,7 +67,7 @@ def load_tools(rl) -> ToolSet | None:
             raise ToolError(f"rl.tools: {spec}: a second tool named {name}; tool names must differ")
         functions[name] = function
     schemas = [_schema(f, spec, name) for spec, (name, f) in zip(rl.tools, functions.items(), strict=True)]
-    return ToolSet(schemas, functions, None, ", ".join(rl.tools))
+    return ToolSet(schemas, functions, None, tuple(rl.tools))
 
 
 def tool_schemas(rl) -> list[dict] | None:

@@ -28,7 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from liger_cli.errors import UserError
-from liger_cli.generate.tool_calls import Result, parse_turn, run_calls
+from liger_cli.generate.tool_calls import Result, parse_turn
+from liger_cli.generate.tool_pool import ToolPool
 
 
 @dataclass
@@ -55,11 +56,15 @@ class Trajectory:
     messages: list[dict]
     """The conversation: the prompt's messages, then each model turn and tool result as chat messages."""
     segments: list[Segment]
-    tools: dict[str, Callable] = field(default_factory=dict)
+    handle: int | None = None
+    """Its tools in the tool processes (`ToolPool.open`)."""
     environment: object | None = None
+    """With rl.environment, its instance as the episode left it (read back for the reward functions)."""
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
+    tool_timeouts: int = 0
+    tool_crashes: int = 0
     finish_reason: str | None = None
     """None while running; then stop, max_turns or length."""
 
@@ -157,7 +162,7 @@ def run_episodes(
     max_turns: int,
     max_new_tokens: int,
     max_seq_len: int,
-    tool_workers: int,
+    tools: ToolPool,
     decode: Callable[[list[int]], str],
 ) -> EpisodeStats:
     """Run every trajectory to its end, in place. `sample(prompts, keys, max_new_tokens)` -> Completions;
@@ -199,7 +204,7 @@ def run_episodes(
             else:
                 pending.append((t, calls))
         start = time.perf_counter()
-        results = run_calls([(calls, t.tools) for t, calls in pending], tool_workers)
+        results = tools.run([(t.handle, calls) for t, calls in pending])
         stats.tools_s += time.perf_counter() - start
         for (t, calls), found in zip(pending, results, strict=True):
             _continue(t, calls, found, renderer, append, max_seq_len)
@@ -216,6 +221,8 @@ def _continue(
     no room is left for another model turn."""
     t.tool_calls += len(calls)
     t.tool_errors += sum(r.error for r in found)
+    t.tool_timeouts += sum(r.failure == "timeout" for r in found)
+    t.tool_crashes += sum(r.failure == "crash" for r in found)
     results = [
         {"role": "tool", "name": r.name or "unknown", "content": r.content, "tool_call_id": f"call_{k}"}
         for k, r in enumerate(found)

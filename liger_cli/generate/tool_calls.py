@@ -6,8 +6,8 @@ SmolLM3, Hermes): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, an
 
 The model's mistakes are data, never errors: a call that is not JSON, names no tool or an unknown
 one, gives arguments the function does not take, or a tool that raises, all become an error text
-that goes back to the model as that call's result (and count in `tool/errors`). Results are placed
-in the order of the calls whatever order the threads finish in, so nothing depends on timing.
+that goes back to the model as that call's result (and count in `tool/errors`). The calls run in
+processes of their own (`tool_pool.py`), which also turn a tool that hangs or crashes into such a result.
 """
 
 from __future__ import annotations
@@ -15,10 +15,9 @@ from __future__ import annotations
 import inspect
 import json
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from liger_cli.data.user_code import said
+from liger_cli.user_code import said
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -36,6 +35,8 @@ class Result:
     name: str
     content: str
     error: bool
+    failure: str | None = None
+    """"timeout" or "crash" when the tool's process had to be stopped or died (`tool_pool`)."""
 
 
 def parse_turn(text: str, tokenizer=None, prefix: str = "") -> tuple[str, list[Call]]:
@@ -96,17 +97,10 @@ def run_one(call: Call, tools: dict[str, Callable]) -> Result:
         return Result(call.name, f"error: {call.name}: {err}", True)
     try:
         value = function(**call.arguments)
+    except MemoryError:  # out of its process's memory cap: the process ends (tool_worker)
+        raise
     except Exception as err:  # noqa: BLE001 - a tool failing on the model's arguments: the model reads why
         return Result(call.name, f"error: {call.name} raised {said(err)}", True)
     if not isinstance(value, str):
         value = json.dumps(value, ensure_ascii=False, default=str)
     return Result(call.name, value, False)
-
-
-def run_calls(batches: list[tuple[list[Call], dict[str, Callable]]], workers: int) -> list[list[Result]]:
-    """Each trajectory's calls (with its tools), run on `workers` threads: one trajectory's calls one after
-    the other (its environment's state changes in call order), trajectories side by side."""
-    if workers <= 1 or len(batches) <= 1:
-        return [[run_one(c, tools) for c in calls] for calls, tools in batches]
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(lambda item: [run_one(c, item[1]) for c in item[0]], batches))

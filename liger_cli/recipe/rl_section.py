@@ -125,7 +125,19 @@ class RLSection(_Section):
     mask_truncated: bool = False
     """Leave a trajectory cut by a limit (finish_reason length or max_turns) out of the loss."""
     tool_workers: int = Field(4, ge=1)
-    """Threads that run tool calls; results are placed in a fixed order, never by timing."""
+    """Processes that run tool calls (each trajectory in one of them); results are placed in a fixed order,
+    never by timing."""
+    tool_timeout: float = Field(60.0, gt=0)
+    """Seconds a tool call may take; past it the call is stopped, its result is a timeout error for the
+    model (`tool/timeouts`). 60: a real tool (a search, a test run) finishes well within it, and a stuck
+    call holds its trajectory for a minute, not the run."""
+    tool_memory_mb: int = Field(4096, ge=64)
+    """Address space of each tool process (MiB); a call that exhausts it ends its process, and its result
+    is an error for the model (`tool/crashes`)."""
+    reward_timeout: float = Field(300.0, gt=0)
+    """Seconds one call of a reward function may take (it scores a process's completions of a step); past
+    it the run stops with an error naming the function and the row. 300: a reward that calls a judge
+    model or runs tests has time; a stuck one costs five minutes, never a silent stall."""
 
     @field_validator("tools")
     @classmethod

@@ -22,6 +22,7 @@ from liger_cli.errors import UserError
 from liger_cli.generate.engine import Sampling, generate
 from liger_cli.generate.episodes import Segment, Trajectory, TurnRenderer, probe, run_episodes
 from liger_cli.generate.prompts import Renderer
+from liger_cli.generate.tool_pool import ToolPool
 from liger_cli.model.objectives.grpo import ROLLOUTS_FILE
 
 
@@ -41,6 +42,10 @@ class Sampler:
         self.renderer = TurnRenderer(tokenizer, self.tools.schemas, self.stop_ids) if self.tools else None
         self.per_turn_why = probe(self.renderer) if self.tools else None
         """Why each model turn is its own sample (the template is not append-only), or None."""
+        self.pool = (
+            ToolPool(self.tools, rl.tool_workers, rl.tool_timeout, rl.tool_memory_mb) if self.tools else None
+        )
+        """The tool processes (started at the first call, stopped by `close`)."""
         self.tools_s = 0.0
         """Seconds this process spent in tool calls so far."""
 
@@ -75,21 +80,27 @@ class Sampler:
             return found
         found = []
         for row, key in zip(rows, keys, strict=True):
-            tools, environment = self.tools.bind(json.loads(row["fields"]), row["row"] + 1)
+            handle = self.pool.open(json.loads(row["fields"]), row["row"] + 1)
             messages = prompt_messages(json.loads(row["prompt"]), self.tools.schemas)
-            found.append(
-                Trajectory(str(key), messages, [Segment(list(row["prompt_ids"]))], tools, environment)
-            )
+            found.append(Trajectory(str(key), messages, [Segment(list(row["prompt_ids"]))], handle))
         rl = self.rl
         sample = lambda prompts, keys, n: self(prompts, keys, greedy, n)  # noqa: E731
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
         stats = run_episodes(
             found, sample, self.any_live, self.renderer, append=self.per_turn_why is None,
             max_turns=rl.max_turns, max_new_tokens=rl.max_new_tokens, max_seq_len=self.max_seq_len,
-            tool_workers=rl.tool_workers, decode=decode,
+            tools=self.pool, decode=decode,
         )  # fmt: skip
+        for t in found:  # what the reward functions read of an environment
+            t.environment = self.pool.state(t.handle)
+        self.pool.close([t.handle for t in found])
         self.tools_s += stats.tools_s
         return found
+
+    def close(self) -> None:
+        """Stop the tool processes."""
+        if self.pool is not None:
+            self.pool.shutdown()
 
     @staticmethod
     def text(trajectory: Trajectory) -> str:

@@ -389,5 +389,7 @@ def fit(trainer: Trainer) -> dict[str, float]:
         data.batches.close()  # the reading thread ends with the loop
     if data.eval is not None:  # the final evaluation
         run_eval(step, say)
+    if sampler is not None:
+        sampler.close()
     metrics_log.close()
     return last

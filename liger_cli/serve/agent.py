@@ -3,6 +3,8 @@ tools exactly as training let it (liger_cli.generate.episodes): the prompt rende
 schemas, each model turn's ids as sampled, the tool results appended as the chat template renders them,
 tool calls parsed and run the same way, mistakes returned to the model as results. The template is
 probed first, as a run probes it; one that is not append-only is re-rendered each turn, as training did.
+The tools run in processes of their own with the recipe defaults of `rl.tool_workers`, `rl.tool_timeout`
+and `rl.tool_memory_mb`, as a run's do.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from liger_cli.data.tools import ToolSet, check_template_takes_tools, load_tools
 from liger_cli.errors import UserError
 from liger_cli.generate.engine import Sampling, generate
 from liger_cli.generate.episodes import Segment, Trajectory, TurnRenderer, probe, run_episodes
+from liger_cli.generate.tool_pool import ToolPool
+from liger_cli.recipe.rl_section import RLSection
 
 
 def load_cli_tools(tools: list[str] | None, environment: str | None, tokenizer, fmt: str) -> ToolSet | None:
@@ -65,11 +69,19 @@ class ToolSession:
         self.device, self.max_turns, self.limit = device, max_turns, limit or 1 << 30
         self.renderer = TurnRenderer(tokenizer, tools.schemas, stops)
         self.per_turn_why = probe(self.renderer)
+        defaults = {k: f.default for k, f in RLSection.model_fields.items()}  # as a run's processes run them
+        self.pool = ToolPool(
+            tools, defaults["tool_workers"], defaults["tool_timeout"], defaults["tool_memory_mb"]
+        )
 
     def start(self, messages: list[dict], key, fields: dict, row: int) -> Trajectory:
-        bound, environment = self.tools.bind(fields, row)
+        handle = self.pool.open(fields, row)
         prompt = self.renderer.encode(messages, generation_prompt=True)
-        return Trajectory(str(key), list(messages), [Segment(prompt)], bound, environment)
+        return Trajectory(str(key), list(messages), [Segment(prompt)], handle)
+
+    def end(self, trajectories: list[Trajectory]) -> None:
+        """Their tools are done with (an environment dropped in its process)."""
+        self.pool.close([t.handle for t in trajectories])
 
     def run(self, trajectories: list[Trajectory]) -> None:
         def sample(prompts, keys, n):
@@ -82,7 +94,7 @@ class ToolSession:
         run_episodes(
             trajectories, sample, lambda local: local, self.renderer, append=self.per_turn_why is None,
             max_turns=self.max_turns, max_new_tokens=self.sampling.max_new_tokens, max_seq_len=self.limit,
-            tool_workers=4, decode=decode,
+            tools=self.pool, decode=decode,
         )  # fmt: skip
 
 

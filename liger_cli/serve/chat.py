@@ -129,6 +129,8 @@ def _tool_chat(session, renderer: Renderer, say) -> int:
         if command == "/reset" or command.startswith("/system"):
             if command.startswith("/system"):
                 renderer.system = command[len("/system") :].strip() or None
+            if trajectory is not None:
+                session.end([trajectory])
             trajectory = None
             say("(conversation reset)")
             continue
@@ -165,6 +167,7 @@ def _tool_chat(session, renderer: Renderer, say) -> int:
             say(f"{m['content']}{calls}")
         if trajectory.finish_reason == "length":
             say("(the conversation reached the model's length or --max-new-tokens: /reset to go on)")
+            session.end([trajectory])
             trajectory = None
     return 0
 

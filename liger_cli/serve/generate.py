@@ -113,6 +113,7 @@ def generate_command(
         if toolset is not None:  # episodes: turns, tool calls and results, token in and token out
             found = [session.start(messages[i], i * n + r, _fields(rows[i]), i + 1) for i, r in batch]
             session.run(found)
+            session.end(found)
             done.update(zip(batch, found, strict=True))
             tokens += sum(sum(t.segments[0].mask) for t in found)
             progress.update(len(batch))

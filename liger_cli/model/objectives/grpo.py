@@ -212,6 +212,7 @@ class Grpo:
              "completion": sample.text(t), "completion_ids": t.segments[0].ids,
              "completion_mask": t.segments[0].mask, "sampler_logprobs": t.segments[0].logprobs,
              "messages": t.messages, "turns": t.turns, "tool_calls": t.tool_calls, "tool_errors": t.tool_errors,
+             "tool_timeouts": t.tool_timeouts, "tool_crashes": t.tool_crashes,
              "finish_reason": t.finish_reason, "rewards": {n: v[i] for n, v in per_function.items()},
              "reward": totals[i], "sampled_tokens": sum(sum(s.mask) for s in t.segments)}
             | ({"segments": [vars(s) for s in t.segments]} if len(t.segments) > 1 else {})
@@ -253,7 +254,7 @@ class Grpo:
                 extra["environment"] = [t.environment for t in trajectories]
         ids = [[i for s in t.segments for i in s.ids] for t in trajectories]
         return score(self.rewards, [text(t) for t in trajectories], [json.loads(p["prompt"]) for p in prompts],
-                     ids, fields, [p["row"] + 1 for p in prompts], extra)  # fmt: skip
+                     ids, fields, [p["row"] + 1 for p in prompts], extra, timeout=self.rl.reward_timeout)  # fmt: skip
 
     def _advantages(self, micro: list[dict], reduce) -> None:
         from liger_kernels.grpo import group_advantages

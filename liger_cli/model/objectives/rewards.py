@@ -8,8 +8,10 @@ weighted sum of its functions' values, a None counting as nothing (and left out 
 mean in the metrics).
 
 Anything else is an exit-2 error naming the function, the prompt row and the value: a file or module
-that does not import, a missing name, a function that raises, returns another number of values, a
-NaN or infinity, or something that is not a number.
+that does not import, a missing name, a function that raises, does not return within
+`rl.reward_timeout` seconds, returns another number of values, a NaN or infinity, or something that
+is not a number. A function runs in a thread of its own so that one that never returns is seen; it
+cannot be stopped, so the run stops (its last checkpoint kept) and the thread ends with the process.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ import math
 import numbers
 from dataclasses import dataclass
 
-from liger_cli.data.user_code import load_object, said
 from liger_cli.errors import UserError
+from liger_cli.user_code import load_object, said
 
 
 class RewardError(UserError):
@@ -85,19 +87,25 @@ def _load(spec: str):
 
 
 def score(rewards: list[Reward], completions: list[str], prompts: list, completion_ids: list[list[int]],
-          fields: dict[str, list], rows: list[int], extra: dict[str, list] | None = None,
+          fields: dict[str, list], rows: list[int], extra: dict[str, list] | None = None, *, timeout: float,
           ) -> tuple[list[float], dict[str, list[float | None]]]:  # fmt: skip
     """(each completion's total reward, each function's values); `rows` are the completions' prompt rows
     (in their file), named in errors. `extra`: further keyword arguments, one value per completion (a
-    multi-turn run's `messages` and `environment`)."""
+    multi-turn run's `messages` and `environment`); `timeout`: seconds each call may take."""
     per_function: dict[str, list[float | None]] = {}
     for reward in rewards:
         kwargs = {"completions": completions, "prompts": prompts, "completion_ids": completion_ids, **fields,
                   **(extra or {})}  # fmt: skip
         try:
-            values = reward.function(**kwargs)
+            values = _within(timeout, reward.function, kwargs)
+        except TimeoutError:
+            row = _failing_row(reward, kwargs, rows, timeout)
+            raise RewardError(
+                f"reward {reward.name} ({reward.spec}) did not return within {timeout:g} s (rl.reward_timeout) "
+                f"on prompt row {row}: make it return (or raise) sooner, or raise rl.reward_timeout"
+            ) from None
         except Exception as err:  # noqa: BLE001 - find the completion it fails on, for the message
-            row = _failing_row(reward, kwargs, rows)
+            row = _failing_row(reward, kwargs, rows, timeout)
             raise RewardError(
                 f"reward {reward.name} ({reward.spec}) raised on prompt row {row}: {said(err)}"
             ) from None
@@ -133,12 +141,36 @@ def _checked(reward: Reward, values, n: int, rows: list[int]) -> list[float | No
     return out
 
 
-def _failing_row(reward: Reward, kwargs: dict, rows: list[int]):
-    """The first prompt row whose completion alone makes the function raise ("?" if none alone does)."""
+def _within(timeout: float, function, kwargs: dict):
+    """function(**kwargs), or TimeoutError after `timeout` seconds (the call goes on in a daemon thread)."""
+    import threading
+
+    found: list = []
+
+    def call() -> None:
+        try:
+            found.append((True, function(**kwargs)))
+        except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
+            found.append((False, err))
+
+    thread = threading.Thread(target=call, name="liger-reward", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if not found:
+        raise TimeoutError
+    returned, value = found[0]
+    if not returned:
+        raise value
+    return value
+
+
+def _failing_row(reward: Reward, kwargs: dict, rows: list[int], timeout: float):
+    """The first prompt row whose completion alone makes the function raise or hang ("?" if none alone
+    does)."""
     for i, row in enumerate(rows):
         one = {k: v[i : i + 1] if isinstance(v, list) else v for k, v in kwargs.items()}
         try:
-            reward.function(**one)
-        except Exception:  # noqa: BLE001
+            _within(timeout, reward.function, one)
+        except Exception:  # noqa: BLE001 - TimeoutError included
             return row
     return "?"

@@ -27,8 +27,8 @@ def rollout_stats(micro: list[dict], rows: list[dict], reduce, rl, functions: li
         "groups": torch.tensor(float(zero_std.numel())), "tokens": mask.sum(),
         "abs_diff": diff.abs().sum(), "ratio": (ratio * mask).sum(),
     }  # fmt: skip
-    if rl.agentic:  # per trajectory: model turns, tool calls, tool errors
-        for name in ("turns", "tool_calls", "tool_errors"):
+    if rl.agentic:  # per trajectory: model turns, tool calls, tool errors (timeouts and crashes among them)
+        for name in ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_crashes"):
             sums[name] = torch.tensor(float(sum(r[name] for r in rows)))
     for reward in functions:
         values = [r["rewards"][reward.name] for r in rows]
@@ -56,5 +56,6 @@ def rollout_stats(micro: list[dict], rows: list[dict], reduce, rl, functions: li
     }  # fmt: skip
     if rl.agentic:
         stats |= {"turns": total["turns"] / n, "tool/calls": total["tool_calls"] / n,
-                  "tool/errors": total["tool_errors"] / n}  # fmt: skip
+                  "tool/errors": total["tool_errors"] / n, "tool/timeouts": total["tool_timeouts"] / n,
+                  "tool/crashes": total["tool_crashes"] / n}  # fmt: skip
     return stats
