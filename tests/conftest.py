@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -95,10 +96,109 @@ def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
     class FilesAndTheLaunch(LoadScopeScheduling):
+        dropped: dict[str, list[str]] = {}
+        """A dead worker's test -> the rest of its work unit, failed without running (pytest_handlecrashitem)."""
+
         def _split_scope(self, nodeid: str) -> str:
             return work_unit(Path(nodeid.split("::", 1)[0]))
 
+        def remove_node(self, node) -> str | None:
+            """xdist puts a dead worker's file back in the queue whole, to start again on the replacement
+            (where it may die again, or wait on a launch that died with it); here it fails at once, and
+            only the files the worker had not started go back."""
+            workload = self.assigned_work.pop(node)
+            crashed = None
+            for scope, unit in workload.items():
+                pending = [nodeid for nodeid, done in unit.items() if not done]
+                if not pending:
+                    continue
+                if crashed is None:  # a worker runs its units in order: the first pending test was running
+                    crashed = pending[0]
+                    self.dropped[crashed] = pending[1:]
+                elif len(pending) == len(unit):
+                    self.workqueue[scope] = unit
+                else:
+                    self.dropped[crashed] += pending
+            for other in self.assigned_work:
+                self._reschedule(other)
+            return crashed
+
     return FilesAndTheLaunch(config, log)
+
+
+# --- a worker that dies fails its file at once; a test that hangs fails by name ---------------------------
+# pytest-timeout fails a test past its timeout (pyproject's `timeout`, or its mark) with SIGALRM, naming it.
+# Where that signal cannot reach (native code that never gives Python back control), faulthandler's
+# watchdog, a C thread, ends the process HANG_GRACE seconds later, its stacks written to the worker's
+# crash file. A worker that dies so, or of a signal, an out-of-memory kill or an exit, is reported by the
+# controller (`pytest_handlecrashitem`) as a failure of the test it was running, with how it died and
+# its stacks; the rest of that test's file fails without running (its fixtures died with the worker);
+# the other files go on and the run ends with pytest's summary.
+if "LIGER_TEST_CRASH_DIR" not in os.environ:  # the controller's, which its workers inherit
+    os.environ["LIGER_TEST_CRASH_DIR"] = tempfile.mkdtemp(prefix="liger-test-crashes-")
+    atexit.register(shutil.rmtree, os.environ["LIGER_TEST_CRASH_DIR"], ignore_errors=True)
+CRASH_DIR = Path(os.environ["LIGER_TEST_CRASH_DIR"])
+HANG_GRACE = float(os.environ.get("LIGER_TEST_HANG_GRACE", "60"))
+_crash_file = []  # a worker's (with -n 0, stderr is where faulthandler writes)
+
+
+def _worker_id(config) -> str:
+    return getattr(config, "workerinput", {}).get("workerid", "main")
+
+
+def pytest_sessionstart(session) -> None:  # after pytest's faulthandler plugin pointed it at stderr
+    import faulthandler
+
+    config = session.config
+    if hasattr(config, "workerinput"):
+        CRASH_DIR.mkdir(parents=True, exist_ok=True)
+        _crash_file.append(open(CRASH_DIR / f"{_worker_id(config)}.txt", "w"))  # noqa: SIM115 - for its life
+        faulthandler.enable(file=_crash_file[0], all_threads=True)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    import faulthandler
+
+    mark = item.get_closest_marker("timeout")
+    seconds = float(mark.args[0]) if mark and mark.args else float(item.config.getini("timeout") or 0)
+    out = _crash_file[0] if _crash_file else sys.stderr
+    if _crash_file:
+        out.write(f"running {item.nodeid}\n")
+        out.flush()
+    if seconds:
+        faulthandler.dump_traceback_later(seconds + HANG_GRACE, exit=True, file=out)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
+def pytest_handlecrashitem(crashitem: str, report, sched) -> None:
+    """The dead worker's test failed with how its process ended and its stacks; the rest of its file too."""
+    worker = report.node
+    name = worker.gateway.id
+    how = "it ended"
+    popen = getattr(getattr(worker.gateway, "_io", None), "popen", None)
+    if popen is not None:
+        import signal
+        import subprocess
+
+        try:
+            code = popen.wait(timeout=10)
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        except (subprocess.TimeoutExpired, ValueError):
+            pass
+    found = CRASH_DIR / f"{name}.txt"
+    stacks = found.read_text(errors="replace") if found.is_file() else ""
+    stacks = stacks[stacks.rfind(f"running {crashitem}") :].partition("\n")[2]
+    why = "past its timeout (stuck where SIGALRM cannot reach)" if "Timeout (" in stacks else how
+    report.longrepr = f"worker {name} died while running {crashitem}: {why}\n{stacks[-6000:]}"
+    for nodeid in getattr(sched, "dropped", {}).pop(crashitem, []):
+        rest = pytest.TestReport(
+            nodeid=nodeid, location=(nodeid.split("::")[0], None, nodeid), keywords={}, outcome="failed",
+            longrepr=f"not run: worker {name} died while running {crashitem} ({why}) in this file", when="call",
+        )  # fmt: skip
+        rest.node = worker
+        worker.config.hook.pytest_runtest_logreport(report=rest)
 
 
 def pytest_collection_modifyitems(items) -> None:
