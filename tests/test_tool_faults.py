@@ -188,3 +188,29 @@ def test_a_run_whose_tool_hangs_and_crashes_finishes_the_same_twice(tmp_path):
     assert (outs[0] / "final" / "adapter_model.safetensors").read_bytes() == (
         outs[1] / "final" / "adapter_model.safetensors"
     ).read_bytes()
+
+
+def test_chat_runs_its_tools_in_processes_too(tmp_path, monkeypatch):
+    """`liger chat --tools` with a tool that segfaults: the model reads the error, the chat goes on."""
+    import io
+
+    from test_agent_train import AGENT
+
+    from liger_cli.generate.engine import Sampling
+    from liger_cli.serve.chat import chat_command
+
+    (tmp_path / "tools.py").write_text(
+        "import ctypes\n\n\ndef lookup(key: str) -> str:\n"
+        '    """Look a key up in the code table.\n\n    Args:\n        key: the key\n    """\n'
+        "    ctypes.string_at(0)\n"
+    )
+    question = json.loads((AGENT / "eval.jsonl").read_text().splitlines()[0])["prompt"]
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"{question}\n/reset\n{question}\n/exit\n"))
+    said = io.StringIO()
+    code = chat_command(AGENT / "model", None, Sampling(80, 0.0), False, None, None, out=said,
+                        agent=((f"{tmp_path / 'tools.py'}:lookup",), None, 2))  # fmt: skip
+    text = said.getvalue()
+    crashed = (
+        "[lookup -> error: lookup ended its process (it was killed by SIGSEGV); the process was replaced]"
+    )
+    assert code == 0 and text.count(crashed) == 2, text  # the second conversation: the replacement process
