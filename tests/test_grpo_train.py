@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -157,6 +158,25 @@ def test_a_stopped_run_resumes_to_the_same_weights(run: Path, runs: dict, resume
     resumed = [json.loads(line) for line in (out / "rollouts.jsonl").read_text().splitlines()]
     whole = [json.loads(line) for line in (run / "rollouts.jsonl").read_text().splitlines()]
     assert [r["completion_ids"] for r in resumed] == [r["completion_ids"] for r in whole]
+
+
+def test_a_reward_function_that_hangs_stops_the_run_naming_it_and_keeps_the_checkpoint(setup) -> None:
+    """A reward that stops returning once step 1 is saved: after rl.reward_timeout the run ends with one
+    line naming the function and the row (exit 2), the step-1 checkpoint kept; no silent stall."""
+    root = setup["root"]
+    out = root / "hangs"
+    recipe = grpo_recipe(setup, out, rl__reward_timeout=1.0, output__save_every=1)
+    (root / "rewards.py").write_text(
+        "import os, time\n"
+        "def short(completions, **kwargs):\n"
+        f"    if os.path.isdir({str(out / 'checkpoints' / 'step-1')!r}):\n"
+        "        time.sleep(10)  # longer than rl.reward_timeout (ends by itself, in the test's process)\n"
+        "    return [0.0] * len(completions)\n"
+    )
+    line = one_line_error(liger_here("train", str(recipe)))
+    assert re.search(r"reward short \(.*rewards.py:short\) did not return within 1 s \(rl.reward_timeout\) on "
+                     r"prompt row \d+: make it return", line), line  # fmt: skip
+    assert (out / "checkpoints" / "step-1").is_dir() and not (out / "final").exists()
 
 
 def test_broken_rewards_and_long_prompts_are_one_line_errors(setup) -> None:
