@@ -15,16 +15,24 @@ fi
 PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
 
 # llama.cpp's Python binding (`liger export`, the export extra) has no wheel on PyPI: it compiles
-# llama.cpp (about 4 minutes on 2 cores), so its wheel is built in the background while the rest
-# installs, with only its libraries (llama, and mtmd for images: no tools, server, tests or examples);
-# built without pip's wheel cache, which keys a build by the source alone, not by CMAKE_ARGS.
+# llama.cpp (about 4 minutes on 2 cores), so its wheel is built in the background while the rest installs,
+# with the switches scripts/llama-cmake-args.sh prints (its libraries only; no AMX unless LIGER_LLAMA_AMX=1:
+# docs/export.md); built without pip's wheel cache, which keys a build by the source alone, not by CMAKE_ARGS.
+# An installed build is kept only if it has mtmd (images), was made with these switches (the stamp written
+# after it installed) and has no AMX it was not asked for (an older setup's build on an AMX Xeon has).
+llama_args=$(bash scripts/llama-cmake-args.sh)
+llama_stamp=.venv/llama-wheel/cmake-args
 llama_build=""
 mkdir -p .venv/llama-wheel
-if ! .venv/bin/python -c "from llama_cpp import mtmd_cpp" 2>/dev/null; then  # mtmd: image support
+llama_current() {
+  [ "$(cat "$llama_stamp" 2>/dev/null)" = "$llama_args" ] && .venv/bin/python -c "import sys, llama_cpp
+from llama_cpp import mtmd_cpp
+sys.exit(b'AMX_INT8 = 1' in llama_cpp.llama_print_system_info() and '${LIGER_LLAMA_AMX:-0}' != '1')" 2>/dev/null
+}
+if ! llama_current; then
   echo "setup: building llama-cpp-python (llama.cpp from source) in the background"
-  rm -f .venv/llama-wheel/*.whl
-  CMAKE_ARGS="-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF" \
-    CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+  rm -f .venv/llama-wheel/*.whl "$llama_stamp"
+  CMAKE_ARGS="$llama_args" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
     "${PIP[@]}" wheel --no-deps --no-cache-dir -c constraints.txt -w .venv/llama-wheel llama-cpp-python \
     >.venv/llama-build.log 2>&1 &
   llama_build=$!
@@ -62,6 +70,7 @@ fi
 echo "setup: installing the export extra (gguf, llama-cpp-python)"
 if [ -n "$llama_build" ]; then  # the wheel just built (pip would otherwise keep an older build)
   "${PIP[@]}" install --force-reinstall --no-deps .venv/llama-wheel/llama_cpp_python-*.whl
+  echo "$llama_args" >"$llama_stamp"
 fi
 "${PIP[@]}" install -c constraints.txt --find-links .venv/llama-wheel -e ".[test,bench,export]"
 # liger's own modules compiled once, here: every liger process (each rank of a launch too) then loads
