@@ -6,7 +6,8 @@ exports, each with another of the pre-tokenizers llama.cpp is told about. Each i
 export's own verification (tokens, template, next-token log-probs, stops) and, independently here, by
 llama.cpp's own greedy generation against liger's engine on the run as it was trained (adapter on its
 base, not the merge). Broken exports (a special token dropped, the template replaced, the wrong
-pre-tokenizer, q/k not permuted) are caught and leave nothing; refusals are one line, exit 2.
+pre-tokenizer, q/k not permuted) are caught and leave nothing; refusals are one line, exit 2. llama.cpp
+runs in a child process: its crash (a signal), exit or hang there is one line too, and leaves nothing.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
 
 
-def liger(*args, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+def liger(*args, timeout: int = 600, **more: str) -> subprocess.CompletedProcess:
+    env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", **more}
     return warm_python.run(["-m", "liger_cli", *map(str, args)], timeout=timeout, env={**_env(), **env})
 
 
@@ -807,3 +808,54 @@ def test_the_command_line_says_one_line_and_exits_2_for_a_refusal_and_1_for_a_fa
         "error: liger's engine stops at 5 '<|user|>'; llama.cpp does not"
     ]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no OUT, no temporary folder
+
+
+@pytest.mark.parametrize(
+    "fault, quant, words",
+    [("logits:segv", "f32", "crashed (SIGSEGV, signal 11) while checking next tokens of model-f32.gguf"),
+     ("quantize:abort", "q8_0", "crashed (SIGABRT, signal 6) while quantizing model-f32.gguf to q8_0")],
+    ids=["segv", "abort"],
+)  # fmt: skip
+def test_llama_cpp_crashing_in_its_process_is_one_line_and_leaves_nothing(
+    fault: str, quant: str, words: str, tmp_path: Path
+) -> None:
+    """llama.cpp runs in a child process (liger_cli/export/child.py): killed by a signal there (its test
+    hook, as a crash in llama.cpp would be), `liger export` says so in one line (exit 1) after whatever
+    llama.cpp wrote (ggml's abort message), and leaves no OUT and no temporary folder."""
+    from liger_cli.export.child import FAULT
+
+    model = tiny_family_model(tmp_path / "model", "llama")
+    proc = liger("export", model, "--out", tmp_path / "out", "--quant", quant, **{FAULT: fault})
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert lines[:-1] == ([f"GGML_ABORT: {FAULT} (a test hook)"] if "abort" in fault else [])
+    assert lines[-1].startswith(f"error: llama.cpp {words}; nothing was exported. "), lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no OUT, no temporary folder
+
+
+@pytest.mark.parametrize(
+    "fault, words",
+    [("open:exit", r"llama.cpp's process exited \(code 3\) without an answer while loading x.gguf; nothing was"),
+     ("open:hang", r"llama.cpp did not answer within 2 s while loading x.gguf: liger stopped it")],
+    ids=["exit", "hang"],
+)  # fmt: skip
+def test_llama_cpp_exiting_or_hanging_in_its_process_is_a_failed_run(
+    fault: str, words: str, monkeypatch
+) -> None:
+    """A child that exits without a signal, or answers no more (each call's deadline, here 2 s): RunFailed
+    naming the call; the next call starts a new child, which has imported llama_cpp but not torch."""
+    from liger_cli.errors import RunFailed
+    from liger_cli.export import child
+    from liger_cli.export.runtime import Runtime
+
+    monkeypatch.setenv(child.FAULT, fault)  # the child fails before it reads the file
+    monkeypatch.setattr(child, "CALL_TIMEOUT_S", 2.0)
+    failed = child.shared()
+    with pytest.raises(RunFailed, match=words):
+        Runtime(Path("x.gguf"), 64)
+    assert not failed.alive()
+    monkeypatch.delenv(child.FAULT)
+    fresh = child.shared()
+    assert fresh is not failed and fresh.alive()
+    imported = [fresh.call("asking", 60, "imported", name) for name in ("llama_cpp", "torch", "transformers")]
+    assert imported == [True, False, False]
