@@ -103,7 +103,9 @@ def main() -> None:
             steps, tools = measured(out)
             found[variant][0].extend(steps)
             found[variant][1].extend(tools)
-    print(f"agent recipe, {args.rounds} x {args.steps - 1} measured steps each (4 prompts x 8 trajectories a step)")
+    print(
+        f"agent recipe, {args.rounds} x {args.steps - 1} measured steps each (4 prompts x 8 trajectories a step)"
+    )
     print(f"{'tools on':<12}{'step time (s)':>16}{'in tool calls (s)':>20}")
     for variant, (steps, tools) in found.items():
         print(f"{variant:<12}{statistics.mean(steps):>16.3f}{statistics.mean(tools):>20.4f}")
