@@ -859,3 +859,30 @@ def test_llama_cpp_exiting_or_hanging_in_its_process_is_a_failed_run(
     assert fresh is not failed and fresh.alive()
     imported = [fresh.call("asking", 60, "imported", name) for name in ("llama_cpp", "torch", "transformers")]
     assert imported == [True, False, False]
+
+
+def test_an_end_of_generation_llama_cpp_adds_by_its_text_is_reported_unless_a_probe_reaches_it() -> None:
+    """llama.cpp marks `<|endoftext|>` end-of-generation by its text (SmolLM2's id 0), where liger's engine
+    stops at `<|im_end|>` only: reported when no probe completion holds it, refused with the fix where one
+    does; a stop of liger's that llama.cpp lacks is refused as before."""
+    from liger_cli.export.verify import ExportMismatch, Report, check_stops
+
+    class Runtime:  # what check_stops reads of a loaded GGUF
+        def __init__(self, ends):
+            self.ends = ends
+
+        def end_of_generation(self):
+            return self.ends
+
+        def piece(self, token):
+            return {0: "<|endoftext|>", 2: "<|im_end|>"}[token]
+
+    report = Report()
+    check_stops(Runtime({0, 2}), [2], [[5, 6, 2], [7]], report)
+    assert report.stops == (2,) and report.extra_stops == (0,)
+    with pytest.raises(
+        ExportMismatch, match=r"ends generation at 0 '<\|endoftext\|>' .* probe completion 2 .*eos_token_id"
+    ):
+        check_stops(Runtime({0, 2}), [2], [[5, 2], [7, 0, 3]], Report())
+    with pytest.raises(ExportMismatch, match=r"liger's engine stops at 2 '<\|im_end\|>'; llama.cpp does not"):
+        check_stops(Runtime({0}), [0, 2], [], Report())

@@ -149,7 +149,7 @@ def write_and_verify(target, folder: Path, tmp: Path, name: str, family, quant: 
         path, model, tokenizer, target, fmt, stops, quant, min_agreement, max_new_tokens, projector
     )
     lines = [f"wrote {path.name} ({path.stat().st_size / 2**20:.1f} MiB, {quant}, llama.cpp architecture "
-             f"{family.arch.lower()}, pre-tokenizer {pre})", *summary(report, quant)]  # fmt: skip
+             f"{family.arch.lower()}, pre-tokenizer {pre})", *summary(report, quant, tokenizer)]  # fmt: skip
     if projector:
         lines.insert(1, f"wrote {projector[1].name} (llama.cpp's projector file, {family.projector})")
     if ollama:
@@ -221,7 +221,7 @@ def verify_file(path: Path, model, tokenizer, target, fmt: str, stops: list[int]
     try:
         verify.check_tokens(loaded, tokenizer, texts, report)
         verify.check_template(loaded, tokenizer, conversations, report)
-        verify.check_stops(loaded, stops, report)
+        verify.check_stops(loaded, stops, [c.ids for c in done], report)
         floor = min_agreement if min_agreement is not None else FLOORS.get(quant)
         verify.check_next_tokens(loaded, model, prompts, [c.ids for c in done], quant,
                                  None if quant in PLAIN_TYPES else floor, report)  # fmt: skip
@@ -259,7 +259,7 @@ def without_answer(row: dict) -> dict:
     return {k: v for k, v in row.items() if k not in ("output", "chosen", "rejected", "completion", "label")}
 
 
-def summary(report: Report, quant: str) -> list[str]:
+def summary(report: Report, quant: str, tokenizer) -> list[str]:
     tokens = f"tokens: llama.cpp tokenizes {report.texts} probe and prompt texts as the tokenizer does"
     template = "template: the file's chat template renders the run's text" if report.template == "same" else (
         "template: none (the run's tokenizer has none)")  # fmt: skip
@@ -272,6 +272,10 @@ def summary(report: Report, quant: str) -> list[str]:
         logits = (f"next tokens ({quant}): greedy agreement {report.agreement:.1%} over {report.positions} positions "
                   f"of {report.prompts} prompts, mean KL {report.mean_kl:.3g} to the unquantized model")  # fmt: skip
     stops = f"stops: llama.cpp ends generation on exactly liger's stop ids {list(report.stops)}"
+    if report.extra_stops:
+        pieces = ", ".join(f"{t} {tokenizer.convert_ids_to_tokens(t)!r}" for t in report.extra_stops)
+        stops = (f"stops: llama.cpp ends generation on liger's stop ids {list(report.stops)} and also on {pieces}, "
+                 "which it marks end-of-generation by its text (no probe completion reaches it)")  # fmt: skip
     found = ["verified in llama.cpp:", f"  {tokens}", f"  {template}", f"  {logits}", f"  {stops}"]
     if report.image_logprob_diff is not None:
         found.append(

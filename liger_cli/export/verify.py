@@ -9,7 +9,9 @@ On probe texts, probe conversations rendered with the run's template and the run
   model's (f32/f16/bf16) and its most likely token must be liger's (a near tie, the two within the bound,
   is counted, not failed); for quantized types the greedy agreement rate and the mean KL(model ||
   GGUF) are measured and an agreement under FLOORS fails;
-- stops: llama.cpp ends a generation on exactly the ids liger's engine stops at.
+- stops: llama.cpp ends a generation on every id liger's engine stops at; an id it also ends on (llama.cpp
+  marks some by their text, e.g. `<|endoftext|>`) is reported, and refused only where a probe completion
+  of liger's engine holds it (there the two would answer differently).
 The first failure raises ExportMismatch naming the first differing token or text.
 """
 
@@ -63,6 +65,8 @@ class Report:
     agreement: float = 1.0
     mean_kl: float = 0.0
     stops: tuple[int, ...] = ()
+    extra_stops: tuple[int, ...] = ()
+    """Ids llama.cpp also ends a generation on, where liger's engine goes on (none in a probe completion)."""
     image_embedding_diff: float | None = None
     """A vision-language model: largest difference of the probe image's embeddings, of their largest value."""
     image_logprob_diff: float | None = None
@@ -193,10 +197,20 @@ def check_next_tokens(runtime, model, prompts, completions, out_type: str, floor
         )
 
 
-def check_stops(runtime, stops: list[int], report: Report) -> None:
+def check_stops(runtime, stops: list[int], completions: list[list[int]], report: Report) -> None:
+    """llama.cpp must end a generation wherever liger's engine does. It may end at more: llama.cpp marks
+    tokens end-of-generation by their text too (`<|endoftext|>`, `<|eot_id|>`, ...), as it does for the
+    GGUFs model authors publish. Such an id is accepted and reported when none of liger's probe
+    completions holds it (on them the served model ends where liger's does), refused where one does."""
     ends = runtime.end_of_generation()
-    for token in sorted(set(stops) ^ ends):
-        said = "liger's engine stops at" if token in stops else "llama.cpp stops at"
-        other = "llama.cpp does not" if token in stops else "liger's engine goes on"
-        raise ExportMismatch(f"{said} {token} {runtime.piece(token)!r}; {other}")
-    report.stops = tuple(sorted(stops))
+    for token in sorted(set(stops) - ends):
+        raise ExportMismatch(f"liger's engine stops at {token} {runtime.piece(token)!r}; llama.cpp does not")
+    extra = sorted(ends - set(stops))
+    for k, ids in enumerate(completions, start=1):
+        for token in (t for t in ids if t in extra):
+            raise ExportMismatch(
+                f"llama.cpp ends generation at {token} {runtime.piece(token)!r} (it marks it end-of-generation by its "
+                f"text), which liger's engine generates in probe completion {k} and goes on after: add {token} to "
+                "the model's generation_config.json eos_token_id (liger then stops there too) and export again"
+            )
+    report.stops, report.extra_stops = tuple(sorted(stops)), tuple(extra)
