@@ -27,7 +27,8 @@ TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Respon
 TIMEOUT = 900
 pytestmark = pytest.mark.timeout(1800)
 ROLLOUT_FIELDS = ["step", "prompt", "prompt_ids", "completion", "completion_ids", "completion_mask",
-                  "sampler_logprobs", "messages", "turns", "tool_calls", "tool_errors", "finish_reason", "rewards",
+                  "sampler_logprobs", "messages", "turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_crashes",
+                  "finish_reason", "rewards",
                   "reward", "advantage"]  # fmt: skip
 
 

@@ -165,7 +165,7 @@ def test_a_run_whose_tool_hangs_and_crashes_finishes_the_same_twice(tmp_path):
         path = agent_recipe(tmp_path, out, max_steps=2, eval_every=None)
         recipe = yaml.safe_load(path.read_text())
         recipe["data"].pop("eval")
-        recipe["rl"] |= {"tools": [f"{tmp_path / 'tools.py'}:lookup"], "tool_timeout": 1.0, "tool_workers": 2}
+        recipe["rl"] |= {"tools": [f"{tmp_path / 'tools.py'}:lookup"], "tool_timeout": 3.0, "tool_workers": 2}
         path.write_text(yaml.safe_dump(recipe))
         proc = liger_here("train", str(path))
         assert proc.returncode == 0, proc.stderr[-3000:]
