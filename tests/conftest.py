@@ -242,6 +242,15 @@ def two_process_launch(tmp_path_factory) -> dict[str, object]:
     return found
 
 
+@pytest.fixture(scope="session")
+def real_model() -> Path:
+    """SmolLM2-135M-Instruct as a Hugging Face folder (tests/real_model.py): real weights, a 49,152-token
+    tokenizer and its chat template."""
+    from real_model import smollm2
+
+    return smollm2()
+
+
 QUICKSTART_MODEL = REPO / "recipes" / "quickstart" / "model"
 
 
