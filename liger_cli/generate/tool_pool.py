@@ -243,9 +243,9 @@ class ToolPool:
             return pickle.loads(answer[1])
         if answer[0] == "error":
             raise ToolError(
-                f"rl.environment: {self.tools.spec}: its instance cannot be pickled ({answer[1]}): reward functions read each trajectory's "
-                "environment from its tool process; keep open files, locks and sockets out of its attributes "
-                "or give it __getstate__"
+                f"rl.environment: {self.tools.spec}: its instance cannot be pickled ({answer[1]}): reward "
+                "functions read each trajectory's environment from its tool process; keep open files, locks and "
+                "sockets out of its attributes or give it __getstate__"
             )
         self._replace(opened.worker, answer)
         return None
