@@ -214,3 +214,32 @@ def test_chat_runs_its_tools_in_processes_too(tmp_path, monkeypatch):
         "[lookup -> error: lookup ended its process (it was killed by SIGSEGV); the process was replaced]"
     )
     assert code == 0 and text.count(crashed) == 2, text  # the second conversation: the replacement process
+
+
+def test_an_environment_that_cannot_be_read_back_is_named(tmp_path):
+    """Reward functions read each environment back from its process (pickled): one holding a lock cannot
+    be, and the error says so and how to fix it, instead of the rewards reading something else."""
+    (tmp_path / "env.py").write_text(
+        "import threading\n\n"
+        "class Locked:\n"
+        "    def __init__(self):\n        self.lock = threading.Lock()\n\n"
+        "    def ping(self) -> str:\n"
+        '        """Ping."""\n'
+        "        return 'pong'\n"
+    )
+    from liger_cli.data.tools import ToolError
+
+    rl = RLSection(
+        rewards=[{"function": "liger_cli.rewards:exact_match"}], environment=f"{tmp_path / 'env.py'}:Locked"
+    )
+    pool = ToolPool(load_tools(rl), 1, 5.0, 512)
+    try:
+        handle = pool.open({}, 1)
+        assert pool.run([(handle, [Call("ping", {})])]) == [[Result("ping", "pong", False)]]
+        with pytest.raises(
+            ToolError,
+            match=r"env.py:Locked: its instance cannot be pickled \(TypeError: .*lock.*__getstate__",
+        ):
+            pool.state(handle)
+    finally:
+        pool.shutdown()
