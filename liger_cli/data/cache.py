@@ -37,7 +37,7 @@ from liger_cli.data.sources import Source, content_hash
 
 log = logging.getLogger(__name__)
 
-CACHE_VERSION = 2
+CACHE_VERSION = 3  # 3: a prompt row's messages with tool calls are kept as JSON text (data/prompts.py)
 """Raise when the encoded columns or their meaning change: every old entry is then a miss."""
 ENTRY_FILE = "liger_entry.json"
 

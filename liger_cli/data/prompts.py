@@ -21,6 +21,8 @@ from liger_cli.errors import UserError
 PROMPT_COLUMNS = ("prompt_ids", "prompt", "fields")
 """What the run reads of a prompt example: its ids, the prompt as written (JSON) and the row's other
 fields (a JSON object)."""
+INPUT = "liger_input:"
+"""The prefix of a row's own column renamed for the encoding map (one named as an output column)."""
 
 
 def prompt_messages(prompt, tools: list[dict] | None) -> list[dict] | None:
@@ -55,12 +57,16 @@ def encode_prompts(rows, path: Path, data_cfg, tokenizer, tools: list[dict] | No
 
         check_template_takes_tools(tokenizer, tools)
 
+    outputs = (*PROMPT_COLUMNS, "row", "length", DROP_COLUMN, WARNINGS_COLUMN)
+    # An output column named as an input column keeps the input's type in `datasets`' map: a prompt whose
+    # messages hold tool calls is typed List(Json), and its JSON text came back a list of characters.
+    renamed = {name: INPUT + name for name in rows.column_names if name in outputs}
+    rows = rows.rename_columns(renamed) if renamed else rows
+
     def encode_batch(batch: dict[str, list]) -> dict[str, list]:
-        out: dict[str, list] = {
-            name: [] for name in (*PROMPT_COLUMNS, "row", "length", DROP_COLUMN, WARNINGS_COLUMN)
-        }
+        out: dict[str, list] = {name: [] for name in outputs}
         for j in range(len(batch[ROW_COLUMN])):
-            row = {k: v[j] for k, v in batch.items()}
+            row = {k.removeprefix(INPUT): v[j] for k, v in batch.items()}
             index = row.pop(ROW_COLUMN)
             try:
                 ids = prompt_ids(row["prompt"], tokenizer, tools)
