@@ -6,7 +6,8 @@ On probe texts, probe conversations rendered with the run's template and the run
 - template: the file's chat template is the run's, and llama-cpp-python's renderer gives the same text;
 - next tokens: liger's engine completes each prompt greedily on the merged model; llama.cpp evaluates
   prompt + completion and, at every completion position, its log-probs must lie within BOUNDS of the
-  model's (f32/f16/bf16) and its most likely token must be liger's (a near tie, the two within the bound,
+  model's (f32/f16/bf16; for a token under TAIL_LOG_P, in proportion to its log-prob: rounding is relative)
+  and its most likely token must be liger's (a near tie, the two within the bound,
   is counted, not failed); for quantized types the greedy agreement rate and the mean KL(model ||
   GGUF) are measured and an agreement under FLOORS fails;
 - stops: llama.cpp ends a generation on every id liger's engine stops at; an id it also ends on (llama.cpp
@@ -27,6 +28,11 @@ from liger_cli.errors import RunFailed
 BOUNDS = {"f32": 1e-3, "f16": 5e-2, "bf16": 2.5e-1}
 """Largest |log p(GGUF) - log p(model)| over every token of the vocabulary, per plain type; the model
 computes in f32, so f16 and bf16 carry their weights' rounding (measured: docs/export.md)."""
+TAIL_LOG_P = -10.0
+"""Under this log-prob a token's bound grows with |log p| / 10: a rounded type's error on a log-prob is
+relative. Measured on SmolLM2-135M-Instruct's f16 file (30 layers, 49,152 tokens; the f32 file within 9e-5,
+the conversion exact): the largest difference 0.015 for tokens above log p -5, 0.022 above -10, 0.046 above
+-20 and 0.055 at -32, where f16 weights alone, computed in torch, already move it 0.035."""
 GELU_F32_BOUND = 1e-2
 """f32's bound for a model whose MLP is a GELU (Gemma 3): llama.cpp's CPU GELU reads its input and writes
 its output through a half-precision table, so its activations carry f16 rounding (measured on the tests'
@@ -159,14 +165,20 @@ def check_next_tokens(runtime, model, prompts, completions, out_type: str, floor
     bound = text_bound(out_type, model.config)
     agree = total = 0
     kl_sum = 0.0
+    worst = None  # (difference / its token's bound factor, difference, the token's log p) at the largest
     for k, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
         ids = list(prompt) + list(completion)
         rows = slice(len(prompt) - 1, len(ids) - 1)
         want, got = reference_log_probs(model, ids)[rows], runtime.log_probs(ids)[rows]
         want, got = want[:, : got.shape[-1]], got[:, : want.shape[-1]]
         kl_sum += float((want.exp() * (want - got)).sum(-1).sum())
-        diff = float((want - got).abs().max())
+        gap = (want - got).abs()
+        diff = float(gap.max())
         report.largest_logprob_diff = max(report.largest_logprob_diff, diff, key=nan_first)  # NaN fails below
+        scaled = gap / (want / TAIL_LOG_P).clamp(min=1.0)  # the bound's share, in the tail per |log p| / 10
+        at = divmod(int(scaled.argmax()), scaled.shape[-1])
+        if worst is None or not float(scaled.max()) <= worst[0]:
+            worst = (nan_first(float(scaled.max())), float(gap[at]), float(want[at]))
         for j, token in enumerate(completion):
             top = int(got[j].argmax())
             total += 1
@@ -184,10 +196,10 @@ def check_next_tokens(runtime, model, prompts, completions, out_type: str, floor
     report.prompts, report.positions = len(prompts), total
     report.agreement = agree / max(total, 1)
     report.mean_kl = kl_sum / max(total, 1)
-    if bound is not None and not report.largest_logprob_diff <= bound:
+    if bound is not None and worst is not None and not worst[0] <= bound:
         raise ExportMismatch(
-            f"llama.cpp's next-token log-probs differ from the model's by up to {report.largest_logprob_diff:.3g} "
-            f"(bound for {out_type}: {bound:g})"
+            f"llama.cpp's next-token log-probs differ from the model's by {worst[1]:.3g} at a token of log-prob "
+            f"{worst[2]:.3g} (bound for {out_type}: {bound:g}, times |log p| / 10 under log p {TAIL_LOG_P:g})"
         )
     if floor is not None and report.agreement < floor:
         raise ExportMismatch(
