@@ -325,15 +325,10 @@ def test_kernels_are_proved_and_patched_on_every_module_of_the_real_model(runs, 
     assert "fused_linear_cross_entropy: patched 1 module (LlamaForCausalLM)" in plan
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="on SmolLM2 the estimate is 0.74x the measured peak (889 vs 1,194 MiB at 4 x 96 tokens, fused loss "
-    "on; 1,080 vs 1,073 MiB with it off, where the eager logits' over-count of padding hides the same "
-    "shortfall): activations under-counted, root cause not found yet",
-)
 def test_dry_run_memory_plan_is_within_25_percent_of_the_measured_peak(runs):
     """`--dry-run --json` on the SFT recipe (writes nothing) against the peak its run measured, the
-    band tests/test_memory_plan.py holds the tiny models to."""
+    band tests/test_memory_plan.py holds the tiny models to. Its activations are under 1 MiB a tensor:
+    served from glibc's heap (the threshold was 1 MiB) their fragments made the peak 1.35x the plan."""
     out = run(runs, "sft")
     proc = liger_here("train", str(runs["recipes"]["sft"]), "--dry-run", "--json",
                       "--set", f"output.dir={runs['root'] / 'dry'}")  # fmt: skip
