@@ -11,7 +11,7 @@ The floor is what the loss must return: grad_hidden, plus grad_weight when lm_he
 
 Each (size, lm_head, variant) runs in a fresh process. On the CPU, peak memory is the process's peak
 RSS (VmHWM, reset through /proc/self/clear_refs once the inputs exist) over its RSS at that moment;
-as in `liger train`, glibc serves blocks of 1 MiB and more with mmap, so freed tensors leave the
+as in `liger train`, glibc serves blocks of 256 KiB and more with mmap, so freed tensors leave the
 RSS. On CUDA it is torch.cuda.max_memory_allocated over the same baseline. Time is the best of
 --repeats forward+backward passes after a warm-up pass (whose peak counts too).
 
@@ -76,7 +76,7 @@ def worker(
     """Runs in the subprocess: build inputs, run the variant, return its peak growth and best time."""
     cuda = device.startswith("cuda")
     if not cuda and sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6").mallopt(-3, 2**20)  # M_MMAP_THRESHOLD = 1 MiB, as liger train sets
+        ctypes.CDLL("libc.so.6").mallopt(-3, 256 << 10)  # M_MMAP_THRESHOLD = 256 KiB, as liger train sets
     import torch
     import torch.nn.functional as F
     from liger_kernels import fused_linear_cross_entropy

@@ -68,7 +68,7 @@ def restored_process_state():
     tools: user_code.py keeps them in sys.modules by path, where a fresh process would import them
     anew). peft is imported first (bitsandbytes visible, as in the worker), so the run does not hide
     bitsandbytes from the rest of the worker (`hide_bitsandbytes_unless_quantized` leaves a process
-    alone once peft is imported). glibc's mmap threshold, which a CPU launch lowers to 1 MiB, stays
+    alone once peft is imported). glibc's mmap threshold, which a CPU launch lowers to 256 KiB, stays
     lowered: it only makes freed memory go back to the OS sooner."""
     import logging
     import os
