@@ -72,3 +72,14 @@ def test_each_recipe_trains_and_its_adapter_is_verified(runs: dict, name: str) -
     evals = [r for r in rows if ("eval_loss" if name == "sft" else "eval_reward") in r]
     assert [r["step"] for r in evals] == [0, 2]
     assert (out / "final" / "adapter_model.safetensors").is_file()
+
+
+def test_the_grpo_recipes_resolved_recipe_loads_back_as_the_same_recipe(runs: dict) -> None:
+    """test_recipe.py's round trip for the shipped recipe that needs the SFT run first (its NEEDS_A_RUN)."""
+    from liger_cli.recipe import load_recipe
+
+    written = runs["root"] / "grpo" / "recipe.yaml"
+    recipe = load_recipe(written, [])
+    again = runs["root"] / "grpo-again.yaml"
+    again.write_text(recipe.to_yaml())
+    assert load_recipe(again, []).model_dump() == recipe.model_dump()

@@ -242,7 +242,10 @@ def test_real_process_exit_code_and_no_traceback(workdir: Path) -> None:
 
 # Shipped recipes that name a run another recipe writes first (they load only after it): their round trip
 # is asserted where that run exists.
-NEEDS_A_RUN = {"grpo-rm.yaml": "tests/test_reward_model.py, on the reward run its fixture trains"}
+NEEDS_A_RUN = {
+    "grpo-rm.yaml": "tests/test_reward_model.py, on the reward run its fixture trains",
+    "smollm2-grpo.yaml": "tests/test_real_model_recipes.py, on the short SFT run it trains first",
+}
 
 
 @pytest.mark.parametrize(
