@@ -11,7 +11,7 @@ fp32, 540 MB), with the tokenizer and generation config.
 
 Built once per machine: `.venv/models/SmolLM2-135M-Instruct` (LIGER_REAL_MODEL overrides), a `complete`
 marker written last, so an interrupted build is built again. scripts/setup.sh runs it; the tests' real-model
-fixture (tests/real_model.py) calls it too. Costs a 93 MB download and about 30 s of one core.
+fixture (`real_model` in tests/conftest.py) calls it too. Costs a 93 MB download and about 30 s of one core.
 """
 
 from __future__ import annotations

@@ -246,11 +246,17 @@ def two_process_launch(tmp_path_factory) -> dict[str, object]:
 
 @pytest.fixture(scope="session")
 def real_model() -> Path:
-    """SmolLM2-135M-Instruct as a Hugging Face folder (tests/real_model.py): real weights, a 49,152-token
-    tokenizer and its chat template."""
-    from real_model import smollm2
+    """SmolLM2-135M-Instruct as a Hugging Face folder: real weights, a 49,152-token tokenizer and its chat
+    template. scripts/real_model.py builds it once per machine (scripts/setup.sh prepares it), here if the
+    set-up has not; loaded from its path under a name of its own (scripts/ may be on sys.path too)."""
+    import importlib.util
 
-    return smollm2()
+    spec = importlib.util.spec_from_file_location(
+        "liger_scripts_real_model", REPO / "scripts" / "real_model.py"
+    )
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script.build(script.folder())
 
 
 QUICKSTART_MODEL = REPO / "recipes" / "quickstart" / "model"

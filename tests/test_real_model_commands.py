@@ -1,4 +1,4 @@
-"""Every command on the real model (SmolLM2-135M-Instruct, tests/real_model.py: a 49,152-token vocabulary,
+"""Every command on the real model (SmolLM2-135M-Instruct, the `real_model` fixture: a 49,152-token vocabulary,
 tied embeddings, 9/3 heads, a ChatML template with a default system message, pad == eos == <|im_end|>).
 
 Train once, assert many: one module fixture trains, in this process (`liger_here`), a 3-step LoRA SFT on

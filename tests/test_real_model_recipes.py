@@ -1,5 +1,5 @@
 """The real-model quickstart's recipes as shipped (recipes/smollm2-sft.yaml, then smollm2-grpo.yaml from its
-adapter) on SmolLM2-135M-Instruct (tests/real_model.py): each is valid and planned on this machine
+adapter) on SmolLM2-135M-Instruct (the `real_model` fixture): each is valid and planned on this machine
 (`--dry-run` finds the model), and each trains for 2 steps with a 2-row eval, its adapter reloaded and
 verified. Every command shares ONE fresh process (test_train.liger_in_one_process)."""
 

@@ -1,4 +1,4 @@
-"""`liger train` on a real pretrained model (SmolLM2-135M-Instruct, tests/real_model.py): a 49,152-token
+"""`liger train` on a real pretrained model (SmolLM2-135M-Instruct, the `real_model` fixture): a 49,152-token
 vocabulary, tied embeddings, 30 layers, GQA (9 heads, 3 kv heads), its ChatML template with a default
 system message, pad == eos == <|im_end|>. Every objective runs once, for a step or two on a handful of
 short rows, and each is checked as on a tiny model: its first numbers against transformers (and peft)
