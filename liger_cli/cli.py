@@ -275,7 +275,8 @@ AdapterOption = Annotated[Path | None, typer.Option(help="A peft adapter folder 
 FormatOption = Annotated[
     str | None,
     typer.Option(
-        "--format", help="How to render prompts: text, instruction, chat (default: the run's data format)."
+        "--format",
+        help="How to render prompts: text, instruction, chat (default: as the run rendered its prompts).",
     ),
 ]
 KernelsOption = Annotated[bool, typer.Option(help="Patch our RMSNorm, RoPE and SwiGLU kernels in.")]

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import save_file
 from test_distributed import child_env, free_port
 from test_output_safety import one_line_error
-from test_train import QUICK_DATA, liger, recipe_text
+from test_train import QUICK_DATA, REPO, liger, recipe_text
 from typer.testing import CliRunner
 
 from liger_cli import cli
@@ -344,3 +344,24 @@ def test_chat_answers_or_explains_each_kind_of_message(run: Path, tmp_path: Path
     assert "tokens, the model's limit is 256: /reset to go on)" in text
     assert text.count("model> ") == 1  # only the continued "hello" was answered
     assert text.index("model> ") > text.index("the model's limit is 256")
+
+
+def test_an_online_run_is_chatted_with_as_its_prompts_were_rendered(tmp_path: Path) -> None:
+    """`format: prompt` runs render each prompt by its shape: message lists (or any prompt, given tools)
+    through the chat template, text as text. `liger chat`/`generate` on such a run, without --format,
+    render the same way: read off the run's first training prompt; a run whose data is gone is told to
+    pass --format."""
+    from liger_cli.errors import UserError
+    from liger_cli.generate.load import run_format
+    from liger_cli.recipe import load_recipe
+
+    recipes = REPO / "recipes"
+    assert run_format(load_recipe(recipes / "smollm2-grpo.yaml", [])) == "chat"  # message-list prompts
+    assert run_format(load_recipe(recipes / "grpo.yaml", [])) == "text"  # text prompts
+    assert run_format(load_recipe(recipes / "agent.yaml", [])) == "chat"  # tools: through the template
+    moved = tmp_path / "prompts.jsonl"
+    shutil.copy(recipes / "grpo" / "train.jsonl", moved)
+    recipe = load_recipe(recipes / "grpo.yaml", [f"data.train={moved}"])
+    moved.unlink()
+    with pytest.raises(UserError, match="pass --format chat or --format text"):
+        run_format(recipe)

@@ -83,3 +83,20 @@ def test_the_grpo_recipes_resolved_recipe_loads_back_as_the_same_recipe(runs: di
     again = runs["root"] / "grpo-again.yaml"
     again.write_text(recipe.to_yaml())
     assert load_recipe(again, []).model_dump() == recipe.model_dump()
+
+
+def test_chat_with_the_grpo_run_talks_through_its_template(runs: dict, monkeypatch) -> None:
+    """The GRPO recipe's prompts are message lists: `liger chat` on its run, without --format, renders what
+    is typed through SmolLM2's chat template (before: as plain text, an empty reply)."""
+    import io
+
+    from liger_cli.generate.engine import Sampling
+    from liger_cli.serve.chat import chat_command
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("What is 431 + 254?\n"))
+    said = io.StringIO()
+    assert chat_command(runs["root"] / "grpo", None, Sampling(10, 0.0), False, None, None, out=said) == 0
+    text = said.getvalue()
+    assert "(format chat)" in text, text
+    reply = next(line for line in text.splitlines() if line.startswith("model> "))
+    assert reply[len("model> ") :].strip(), text

@@ -43,8 +43,9 @@ class Target:
     recipe: Recipe | None
     """The run's resolved recipe, for runs."""
     format: str
-    """How prompts are rendered: the run's data format, else `--format`, else chat if the tokenizer
-    has a chat template and text if not (decided once the tokenizer is loaded: `chat_or_text`)."""
+    """How prompts are rendered: `--format`, else as the run rendered its training prompts (`run_format`),
+    else chat if the tokenizer has a chat template and text if not (decided once the tokenizer is loaded:
+    `chat_or_text`)."""
 
     @property
     def describe(self) -> str:
@@ -82,9 +83,29 @@ def find_target(path: Path, adapter: Path | None = None, fmt: str | None = None)
 
 
 def run_format(recipe: Recipe) -> str:
+    """The Renderer format (FORMATS) that renders a prompt as the run rendered its training prompts."""
     # the preference objectives, a reward model's pairs and kto's labelled completions render alike
-    paired = recipe.training.objective in ("dpo", "simpo", "orpo", "reward", "kto")
-    return "preference" if paired else recipe.data.format
+    if recipe.training.objective in ("dpo", "simpo", "orpo", "reward", "kto"):
+        return "preference"
+    return prompt_rendering(recipe) if recipe.data.format == "prompt" else recipe.data.format
+
+
+def prompt_rendering(recipe: Recipe) -> str:
+    """An online run's prompts (`format: prompt`) went through the chat template when they were message
+    lists or the run had tools, else as text: read off its first training prompt, so that `liger chat`
+    on a run trained on conversations talks through the template, and one trained on text does not."""
+    if recipe.rl.tools or recipe.rl.environment:
+        return "chat"
+    from liger_cli.data.sources import read_rows, sources_of
+
+    try:
+        first = read_rows(sources_of(recipe.data.train, "prompt")[0])[0]["prompt"]
+    except (UserError, OSError, ValueError, IndexError) as err:
+        raise UserError(
+            f"cannot tell whether the run's prompts were chat or text: its data.train could not be read ({err}); "
+            "pass --format chat or --format text"
+        ) from None
+    return "text" if isinstance(first, str) else "chat"
 
 
 def chat_or_text(target: Target, tokenizer) -> str:
