@@ -259,6 +259,28 @@ def real_model() -> Path:
     return script.build(script.folder())
 
 
+@pytest.fixture(scope="module")
+def tokenizer(real_model: Path):
+    """The real model's tokenizer (real-model tests; a module's own `tokenizer` fixture overrides it)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(real_model)
+
+
+def causal_lm(path: Path, adapter: Path | None = None):
+    """An independent reference: a fresh fp32 transformers model from `path`, with peft's adapter on it
+    (peft wraps its model in place: each reference loads its own)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter)
+    return model.eval()
+
+
 QUICKSTART_MODEL = REPO / "recipes" / "quickstart" / "model"
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import causal_lm
 from test_train import liger_here
 
 pytestmark = pytest.mark.timeout(1800)
@@ -72,24 +73,6 @@ def runs(real_model: Path, tmp_path_factory) -> dict:
 
 
 # --- independent references: transformers and peft, ids rendered by the tokenizer's own template -----------
-@pytest.fixture(scope="module")
-def tokenizer(real_model: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(real_model)
-
-
-def causal_lm(real_model: Path, adapter: Path | None = None):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(real_model, dtype=torch.float32)
-    if adapter is not None:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, adapter)
-    return model.eval()
-
-
 def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     return list(
         tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)

@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
+from conftest import causal_lm
 from test_train import liger_here, liger_in_one_process
 
 pytestmark = pytest.mark.timeout(1800)
@@ -214,25 +215,6 @@ def rollouts(out: Path) -> list[dict]:
 
 
 # --- the references: transformers on ids rendered here ------------------------------------------------------
-@pytest.fixture(scope="module")
-def tokenizer(real_model: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(real_model)
-
-
-def causal_lm(path: Path, adapter: Path | None = None):
-    """A fresh fp32 model (peft wraps its model in place: each reference loads its own)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    if adapter is not None:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, adapter)
-    return model.eval()
-
-
 @pytest.fixture(scope="module")
 def base(real_model: Path):
     return causal_lm(real_model)

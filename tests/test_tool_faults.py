@@ -98,6 +98,12 @@ def test_a_tool_that_hangs_exits_segfaults_or_exhausts_memory_is_an_error_the_mo
         assert (finish, turns) == ("stop", 2), key
 
 
+def environment_pool(source, name: str) -> ToolPool:
+    """One tool process (5 s a call, 512 MiB) for the environment class `name` in the file `source`."""
+    rl = RLSection(rewards=[{"function": "liger_cli.rewards:exact_match"}], environment=f"{source}:{name}")
+    return ToolPool(load_tools(rl), 1, 5.0, 512)
+
+
 def test_an_environment_survives_its_process_being_replaced(tmp_path):
     """Two environments in one process; a call crashes it: the other environment is rebuilt from its
     row and given its earlier calls again, so its state is where it was; the one whose call crashed
@@ -111,10 +117,7 @@ def test_an_environment_survives_its_process_being_replaced(tmp_path):
         "        if n < 0:\n            os._exit(3)\n"
         "        self.total += n\n        return self.total\n"
     )
-    rl = RLSection(
-        rewards=[{"function": "liger_cli.rewards:exact_match"}], environment=f"{tmp_path / 'env.py'}:Counter"
-    )
-    pool = ToolPool(load_tools(rl), 1, 5.0, 512)
+    pool = environment_pool(tmp_path / "env.py", "Counter")
     try:
         a, b = pool.open({"start": 10}, 1), pool.open({"start": 100}, 2)
         assert pool.run([(a, [Call("add", {"n": 1}), Call("add", {"n": 2})]), (b, [Call("add", {"n": 5})])]) == [
@@ -229,10 +232,7 @@ def test_an_environment_that_cannot_be_read_back_is_named(tmp_path):
     )
     from liger_cli.data.tools import ToolError
 
-    rl = RLSection(
-        rewards=[{"function": "liger_cli.rewards:exact_match"}], environment=f"{tmp_path / 'env.py'}:Locked"
-    )
-    pool = ToolPool(load_tools(rl), 1, 5.0, 512)
+    pool = environment_pool(tmp_path / "env.py", "Locked")
     try:
         handle = pool.open({}, 1)
         assert pool.run([(handle, [Call("ping", {})])]) == [[Result("ping", "pong", False)]]
