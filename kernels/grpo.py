@@ -9,8 +9,14 @@ temperature: `fused_linear_token_logprob` computes it without building logits. W
   none:  A_i = r_i - mean_G r (Dr. GRPO).
 - grpo, dapo, dr_grpo, per token t of completion i: ratio rho = exp(logp - logp_old) and
   l_t = -min(rho A_i, clip(rho, 1 - eps_low, 1 + eps_high) A_i) + beta k3_t, where
-  k3_t = exp(ref - logp) - (ref - logp) - 1 >= 0 (the KL estimator), times w_t = min(p_old /
-  p_sampler, cap) with truncated importance sampling.
+  k3_t = exp(ref - logp) - (ref - logp) - 1 >= 0 (the KL estimator), times the importance weight w_t
+  (`importance_weights`, below; 1 without a correction).
+- importance weights, for a sampler that is not exactly the trainer (another engine, a lagging one):
+  the token ratio r_t = p_old / p_sampler = exp(old_t - sampler_t), the sequence ratio R = exp(sum over
+  the sequence's sampled tokens of (old_t - sampler_t)) (a trajectory trained per turn is one sequence),
+  and a cap C:
+  token_truncate:    w_t = min(r_t, C)            token_mask:    w_t = r_t if r_t <= C else 0
+  sequence_truncate: w_t = min(R, C)              sequence_mask: w_t = R if R <= C else 0
 - gspo (Zheng et al. 2025), the ratio of a completion: s_i = exp(sum_t m_t (logp_t - old_t) / sum_t m_t)
   (the geometric mean of its token ratios over its learned tokens m), clipped at the sequence level:
   l_i = -min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i), computed per token as GSPO-token
@@ -109,6 +115,40 @@ def grpo_token_loss(
         per_token = per_token * weights
     mask = mask.to(logp.dtype)
     return per_token * mask, {k: v * mask for k, v in stats.items()}
+
+
+IMPORTANCE_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def importance_weights(
+    old_logp: torch.Tensor,
+    sampler_logp: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    cap: float,
+    row_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    sequence: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token weights [B, T] of `mode` (0 where `mask` is False) and where the cap changed a weight (a
+    ratio above `cap`, truncated or masked). `sequence` [B] names each row's sequence (rows of one
+    trajectory share it; default: each row its own); `row_sum` adds a row's sums over the processes
+    holding its other positions."""
+    if mode not in IMPORTANCE_MODES:
+        raise ValueError(f"importance sampling {mode!r}: choose one of {', '.join(IMPORTANCE_MODES)}")
+    learned = mask.bool()
+    diff = torch.where(learned, old_logp - sampler_logp, 0).double()
+    if mode.startswith("token"):
+        ratio = torch.exp(diff)
+    else:
+        per_row = diff.sum(1)
+        if row_sum is not None:
+            per_row = row_sum(per_row)
+        if sequence is not None:  # a sequence's rows: their sums added, the total on each row
+            per_row = (sequence.unsqueeze(1) == sequence.unsqueeze(0)).to(per_row.dtype) @ per_row
+        ratio = torch.exp(per_row).unsqueeze(1).expand_as(diff)
+    over = (ratio > cap) & learned
+    weights = torch.clamp(ratio, max=cap) if mode.endswith("truncate") else torch.where(over, 0.0, ratio)
+    return torch.where(learned, weights, 0.0).to(old_logp.dtype), over
 
 
 def aggregate(

@@ -241,6 +241,78 @@ def test_accumulation_and_processes_add_up_to_one_batch(policy, loss, iteration)
     assert any(g.abs().sum() > 0 for g in grads.values())
 
 
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+def test_importance_weights_are_their_formulas(mode):
+    """Each mode's weight, written here token by token: r = exp(old - sampler) per token, R = exp of the
+    sum over the sequence's sampled tokens (rows 1 and 2 are one trajectory: one sequence), cap C = 1.5;
+    truncate: min(ratio, C); mask: the ratio, or 0 above C; 0 off the mask."""
+    import math
+
+    from liger_kernels.grpo import importance_weights
+
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(4, 6, generator=g, dtype=torch.float64) * 2
+    sampler = old + torch.randn(4, 6, generator=g, dtype=torch.float64) * 0.4
+    sampler[0] -= 0.5  # a sequence the trainer finds far likelier than the sampler (over the cap)...
+    sampler[3] += 0.5  # ...and one it finds less likely (under it)
+    mask = torch.rand(4, 6, generator=g) > 0.3
+    sequence = torch.tensor([0, 1, 1, 2])
+    cap = 1.5
+    weights, capped = importance_weights(old, sampler, mask, mode, cap, sequence=sequence)
+    for b in range(4):
+        rows = [r for r in range(4) if sequence[r] == sequence[b]]
+        log_r_seq = sum(old[r, t] - sampler[r, t] for r in rows for t in range(6) if mask[r, t])
+        for t in range(6):
+            ratio = math.exp(old[b, t] - sampler[b, t]) if mode.startswith("token") else math.exp(log_r_seq)
+            want = min(ratio, cap) if mode.endswith("truncate") else (ratio if ratio <= cap else 0.0)
+            assert weights[b, t].item() == pytest.approx(want if mask[b, t] else 0.0, rel=1e-12, abs=1e-12)
+            assert bool(capped[b, t]) == bool(mask[b, t] and ratio > cap)
+    assert capped.any() and (~capped & mask).any()  # both sides of the cap are exercised
+
+
+def test_importance_sampling_keys_resolve_and_refuse():
+    """A cap alone is today's token_truncate; a mode alone gets the cap 2.0; none with a cap is refused."""
+    from pydantic import ValidationError
+
+    assert (rl().importance_sampling, rl().importance_sampling_cap) == ("none", None)
+    capped = rl(importance_sampling_cap=3.0)
+    assert (capped.importance_sampling, capped.importance_sampling_cap) == ("token_truncate", 3.0)
+    masked = rl(importance_sampling="sequence_mask")
+    assert (masked.importance_sampling, masked.importance_sampling_cap) == ("sequence_mask", 2.0)
+    with pytest.raises(ValidationError, match="remove the cap, or choose a mode"):
+        rl(importance_sampling="none", importance_sampling_cap=2.0)
+
+
+@pytest.mark.parametrize("mode", ["token_mask", "sequence_truncate", "sequence_mask"])
+def test_each_importance_mode_adds_up_over_micro_batches(policy, mode):
+    """A sequence mode's ratio is per sequence: cut into micro-batches, the loss and gradient stay one
+    batch's (token_truncate is in the test above, with every loss)."""
+    objective = Grpo(rl(max_new_tokens=8, importance_sampling=mode, importance_sampling_cap=1.2), [], 0, True)
+    objective._iteration = 1
+    batch = rollout_batch()
+    batch["sampler_logp"] = batch["old_logp"] + 0.3 * torch.randn(
+        batch["old_logp"].shape, generator=torch.Generator().manual_seed(1)
+    )
+
+    def step(splits):
+        policy.zero_grad(set_to_none=True)
+        parts = [rows(batch, s) for s in splits]
+        num_items = sum(objective.units(p) for p in parts)
+        total, capped = 0.0, 0.0
+        for p in parts:
+            value, metrics = objective.loss(policy, p, num_items)
+            value.backward()
+            total, capped = total + value.item(), capped + metrics["sampler/capped"].item()
+        return total, capped, {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
+
+    one, capped, grads = step([list(range(8))])
+    assert 0 < capped < 1  # the cap changed some weights, not all
+    total, split_capped, split_grads = step([[0, 1, 2, 3], [4, 5, 6, 7]])
+    assert total == pytest.approx(one, abs=1e-6) and split_capped == pytest.approx(capped, abs=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(split_grads[name], grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
 @pytest.mark.parametrize(("loss", "clip"), [("gspo", {"epsilon": 3e-4, "epsilon_high": 4e-4}),
                                             ("cispo", {"epsilon_high": 4.0})])  # fmt: skip
 def test_the_twin_proves_the_fused_kernel_on_gspo_and_cispo(loss, clip):

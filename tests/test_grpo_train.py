@@ -128,8 +128,9 @@ def test_a_grpo_run_writes_every_completion_and_its_figures(run: Path) -> None:
                     "completion_length", "completion_length_min", "completion_length_max", "clipped_ratio",
                     "clip_fraction", "sampler/ratio_min", "sampler/ratio_mean", "sampler/ratio_max"):  # fmt: skip
             assert key in m, key
-        assert m["sampler/abs_logp_diff"] < 1e-4  # the engine and the trainer agree (fp32)
+        assert m["sampler/abs_logp_diff"] <= m["sampler/abs_logp_diff_max"] < 1e-4  # engine = trainer (fp32)
         assert 0.999 < m["sampler/ratio_min"] <= m["sampler/ratio_max"] < 1.001
+        assert 0 <= m["sampler/kl"] < 1e-8  # k3 of |d| < 1e-4: about d^2 / 2
         step_rows = [r for r in rollouts if r["step"] == m["step"]]
         assert m["reward"] == pytest.approx(sum(r["reward"] for r in step_rows) / 16)
     evals = [m for m in metrics(run) if "eval_reward" in m]

@@ -155,6 +155,17 @@ def collate(features: Sequence[dict], pad_token_id: int) -> dict[str, torch.Tens
     return Collator(pad_token_id)(features)
 
 
+def collate_pairs(examples: Sequence[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Preference examples as 2B rows, chosen then rejected, padded together (one forward for both)."""
+    rows = [
+        {"input_ids": ex[f"{side}_input_ids"], "labels": ex[f"{side}_labels"],
+         "position_ids": list(range(len(ex[f"{side}_input_ids"])))}
+        for side in ("chosen", "rejected")
+        for ex in examples
+    ]  # fmt: skip
+    return collate(rows, pad_token_id)
+
+
 def _encode_with_prefix(tokenizer, text: str) -> tuple[list[int], list[bool]]:
     """Tokenize with the tokenizer's own leading special tokens (bos, if it adds one), none at the end.
 

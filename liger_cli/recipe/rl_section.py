@@ -16,6 +16,10 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from liger_cli.recipe.base import RelPath, _resolve, _Section
 
+IMPORTANCE_CAP = 2.0
+"""importance_sampling_cap's default: a weight is cut only where the trainer finds a token (or sequence)
+twice as likely as the sampler did, far past what a sampler with the same weights produces."""
+
 
 class RewardSpec(_Section):
     """One reward: a function or a trained reward model, and its weight."""
@@ -108,8 +112,16 @@ class RLSection(_Section):
     """Divide advantages by the group's std (group), the step's (batch), or not at all (none: Dr. GRPO)."""
     num_iterations: int = Field(1, ge=1)
     """Optimizer steps on each batch of completions."""
+    importance_sampling: (
+        Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] | None
+    ) = None
+    """How the loss corrects for a sampler that is not exactly the trainer: each token's loss weighed by
+    its ratio p_trainer / p_sampler (token_*) or its sequence's (sequence_*), capped at
+    importance_sampling_cap (*_truncate) or dropped above it (*_mask); formulas in docs/rl.md. Default:
+    none with the transformers engine (it samples with the trainer's own weights and forward: the ratios
+    are 1 up to rounding); token_truncate when importance_sampling_cap is given."""
     importance_sampling_cap: float | None = Field(None, gt=0)
-    """Weigh each token's loss by min(p_trainer / p_sampler, cap) (truncated importance sampling)."""
+    """The cap C of importance_sampling (default 2.0 once a mode is chosen)."""
     engine: Literal["transformers"] = "transformers"
     """What samples: liger's engine on the model being trained (the only one for now)."""
     rewards: list[RewardSpec] = Field(default_factory=list)
@@ -161,10 +173,25 @@ class RLSection(_Section):
             self.__pydantic_fields_set__.discard("epsilon_high")  # a default, not the recipe's
         if self.tools and self.environment:
             raise ValueError("rl.tools and rl.environment: give one (an environment's methods are its tools)")
+        self._importance_sampling()
         default = type(self).model_fields["max_turns"].default  # what a run's saved recipe.yaml holds
         if self.max_turns != default and not self.agentic:
             raise ValueError("rl.max_turns applies to runs with rl.tools or rl.environment; remove it")
         return self
+
+    def _importance_sampling(self) -> None:
+        """Resolve the mode and its cap (a cap alone keeps its old meaning: token_truncate)."""
+        if self.importance_sampling is None:
+            self.importance_sampling = "none" if self.importance_sampling_cap is None else "token_truncate"
+            self.__pydantic_fields_set__.discard("importance_sampling")  # a default, not the recipe's
+        if self.importance_sampling == "none":
+            if self.importance_sampling_cap is not None:
+                raise ValueError(
+                    "rl.importance_sampling_cap with rl.importance_sampling none: remove the cap, or choose a mode"
+                )
+        elif self.importance_sampling_cap is None:
+            self.importance_sampling_cap = IMPORTANCE_CAP
+            self.__pydantic_fields_set__.discard("importance_sampling_cap")
 
     @property
     def agentic(self) -> bool:

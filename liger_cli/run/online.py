@@ -23,18 +23,35 @@ from liger_cli.generate.engine import Sampling, generate
 from liger_cli.generate.episodes import Segment, Trajectory, TurnRenderer, probe, run_episodes
 from liger_cli.generate.prompts import Renderer
 from liger_cli.generate.tool_pool import ToolPool
-from liger_cli.model.objectives.grpo import ROLLOUTS_FILE
+from liger_cli.model.objectives.online import ROLLOUTS_FILE
+
+
+class TransformersEngine:
+    """`rl.engine: transformers`: liger's generation engine on the model being trained, as its backend
+    wraps it. It samples with the trainer's own weights, so an optimizer step needs no update here."""
+
+    def __init__(self, backend, model, pad_id: int):
+        self.backend, self.model, self.pad_id = backend, model, pad_id
+
+    def complete(self, prompts: list[list[int]], keys: list, sampling: Sampling, stop_ids: list[int]):
+        """One Completion per prompt (ids in, ids and their log-probs out), keyed for its randomness."""
+        with self.backend.generation(self.model) as (module, any_running):
+            return generate(
+                module, prompts, sampling, stop_ids=stop_ids, pad_id=self.pad_id, keys=keys,
+                any_running=any_running, device=self.backend.accelerator.device,
+            )  # fmt: skip
 
 
 class Sampler:
-    """trajectories(prompt rows, keys, greedy=False) -> Trajectories, sampled from the model being trained:
-    one model turn each, or, with rl.tools or rl.environment, episodes of turns and tool calls
-    (liger_cli.generate.episodes)."""
+    """trajectories(prompt rows, keys, greedy=False) -> Trajectories, sampled by the run's engine: one model
+    turn each, or, with rl.tools or rl.environment, episodes of turns and tool calls
+    (liger_cli.generate.episodes). The one interface every online objective reads its rollouts from."""
 
     def __init__(self, recipe, backend, model, tokenizer):
         rl = recipe.rl
         self.rl, self.max_seq_len = rl, recipe.data.max_seq_len
-        self.backend, self.model, self.tokenizer = backend, model, tokenizer
+        self.backend, self.tokenizer = backend, tokenizer
+        self.engine = TransformersEngine(backend, model, tokenizer.pad_token_id)
         self.sampling = Sampling(rl.max_new_tokens, rl.temperature, rl.top_p, rl.top_k, recipe.training.seed)
         config = getattr(getattr(model, "module", model), "generation_config", None)  # every eos id it names
         self.stop_ids = Renderer(tokenizer, "chat" if tokenizer.chat_template else "text").stop_ids(config)
@@ -55,12 +72,7 @@ class Sampler:
         sampling = replace(self.sampling, temperature=0) if greedy else self.sampling
         if max_new_tokens is not None:
             sampling = replace(sampling, max_new_tokens=max_new_tokens)
-        accelerator = self.backend.accelerator
-        with self.backend.generation(self.model) as (module, any_running):
-            return generate(
-                module, prompts, sampling, stop_ids=self.stop_ids, pad_id=self.tokenizer.pad_token_id,
-                keys=keys, any_running=any_running, device=accelerator.device,
-            )  # fmt: skip
+        return self.engine.complete(prompts, keys, sampling, self.stop_ids)
 
     def trajectories(self, rows: list[dict], keys: list, greedy: bool = False) -> list[Trajectory]:
         """One trajectory per prompt row (rows repeat for a group), keyed for its randomness."""

@@ -30,6 +30,7 @@ from liger_cli.data.stream import StreamBatches
 from liger_cli.errors import RunFailed, UserError
 from liger_cli.model import build_model, count_parameters
 from liger_cli.model.objectives import Objective, objective_for
+from liger_cli.model.objectives.online import Online
 from liger_cli.plan import Applied, Plan, render_with
 from liger_cli.recipe import Recipe
 from liger_cli.run import checkpoint, output_dir, verify
@@ -69,6 +70,8 @@ class Trainer:
     objective: Objective
     split: SequenceParallel | None = None
     """distributed.sequence_parallel: each micro-batch's sequences split over a group of processes."""
+    online: bool = False
+    """The objective samples its batches from the model as it trains (grpo, distill: `Online`)."""
 
 
 def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
@@ -93,7 +96,8 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
     if check_resume(output, data, run_fingerprint, say) == "complete":
         return {}
     objective = objective_for(recipe)  # a grpo run's reward functions are imported here
-    if getattr(objective, "online", False):
+    online = isinstance(objective, Online)  # asked once: its batches are sampled from the model as it trains
+    if online:
         from liger_cli.run.online import check_prompts  # online runs only: it imports the generation stage
 
         check_prompts(recipe, data.train, "train")
@@ -114,14 +118,13 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
     if split:
         say(split_checked)
     trainer = prepare(recipe, backend, model, data, say, run_fingerprint, memory, objective)
-    trainer.split = split
+    trainer.split, trainer.online = split, online
     collate, unit = objective.collate, getattr(objective, "unit", "pair")  # unit: what the log calls them
     reference = precompute_for(
         recipe, backend, trainer.model, data, collate, run_fingerprint, say, output.resume_from, unit, split
     )
     objective.prepare(reference)  # before any weight changes
-    if getattr(objective, "online", False):
-        # grpo's starting weights, before a resume loads trained ones; distill's teacher
+    if online:  # grpo's starting weights, before a resume loads trained ones; distill's teacher
         if note := objective.keep_reference(trainer.model, backend):
             say(note)
     if output.resume_from is not None:
@@ -267,8 +270,7 @@ def fit(trainer: Trainer) -> dict[str, float]:
         from liger_cli.run.samples import Samples
 
         samples = Samples.of_run(recipe, data.eval, data.tokenizer, model)
-    online = getattr(objective, "online", False)  # grpo: batches sampled from the model as it trains
-    if online:  # the generation stage is imported by the runs that sample
+    if online := trainer.online:  # the generation stage is imported by the runs that sample
         from liger_cli.run.online import Sampler, evaluate_rewards, write_rollouts
 
         sampler = Sampler(recipe, backend, model, data.tokenizer)

@@ -31,22 +31,19 @@ import torch
 from torch import nn
 
 from liger_cli.data.encode import IGNORE_INDEX, collate
-from liger_cli.model.objectives.grpo import _shifted
+from liger_cli.model.objectives.online import Online, shifted
 from liger_cli.model.objectives.preference import find_causal_lm, kept_flags, loss_function_swapped
 
 # What each forward takes from a batch (shift_labels: a sequence-parallel shard's targets)
 NAMES = ("input_ids", "labels", "attention_mask", "position_ids", "shift_labels")
 
 
-class Distill:
-    online = True
+class Distill(Online):
     unit = "completion token"
 
     def __init__(self, recipe):
-        self.recipe, self.rl, self.settings = recipe, recipe.rl, recipe.distill
-        self.step_stats: dict[str, float] = {}  # the last rollout's metrics (all completions, all processes)
-        self.samples: list[dict] = []
-        """The last rollout's rows for rollouts.jsonl (this process's completions)."""
+        super().__init__(recipe.rl)
+        self.recipe, self.settings = recipe, recipe.distill
         self.teacher: nn.Module | None = None
         self._head: tuple | None = None  # the teacher's lm_head weight and bias (or a twin's stand-in)
 
@@ -55,9 +52,6 @@ class Distill:
         return f"distill loss ({self.settings.loss})"
 
     # --- what the loop asks -------------------------------------------------------------------------
-
-    def data_step(self, step: int) -> int:
-        return step
 
     def keep_reference(self, model: nn.Module, backend) -> str:
         """Called once on the prepared model before its first step: the teacher is loaded here, on the
@@ -79,16 +73,12 @@ class Distill:
         start = time.perf_counter()
         micro, rows = [], []
         for prompts in examples:
-            keys = [f"{step}:{p['row']}:{k}" for p in prompts for k in range(self.rl.num_generations)]
-            prompts = [p for p in prompts for _ in range(self.rl.num_generations)]
-            trajectories = sample.trajectories(prompts, keys)
+            prompts, trajectories = self.group(step, prompts, sample)
             micro.append(self._batch(trajectories, sample.tokenizer.pad_token_id))
             rows += [
-                {"step": step + 1, "prompt": json.loads(p["prompt"]), "prompt_ids": t.segments[0].prompt_ids,
-                 "completion": sample.text(t), "completion_ids": t.segments[0].ids,
-                 "sampler_logprobs": t.segments[0].logprobs, "finish_reason": t.finish_reason}
+                {"step": step + 1} | self.rollout_row(p, t, sample.text(t))
                 for p, t in zip(prompts, trajectories, strict=True)
-            ]  # fmt: skip
+            ]
         sampled = time.perf_counter()
         for batch in micro:
             batch["teacher_hidden"] = self._teacher_hidden(batch)
@@ -109,19 +99,7 @@ class Distill:
         divide = num_items.to(divergence.device, divergence.dtype)
         return (divergence * learned).sum() / divide, {"kl": (kl * learned).sum() / divide}
 
-    def collate(self, examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
-        """The prompts alone as a batch (the final check's probe); training batches come from rollout."""
-        features = [{"input_ids": e["prompt_ids"], "labels": e["prompt_ids"],
-                     "position_ids": list(range(len(e["prompt_ids"])))} for e in examples]  # fmt: skip
-        return collate(features, pad_id)
-
-    def prepare(self, precompute) -> None:
-        return None
-
     def checkpoint_state(self) -> None:  # a step's completions are a function of seed, step and weights
-        return None
-
-    def start_note(self, first: dict[str, float]) -> str | None:
         return None
 
     def evaluate(self, model: nn.Module, sampler, dataset) -> dict[str, float]:
@@ -162,13 +140,11 @@ class Distill:
         the twin's checks: its kernels and accumulation are proved on this objective's loss."""
         g = torch.Generator().manual_seed(seed)
         features = []
-        for i in range(rows):
-            prompt = torch.randint(3, vocab, (3 + i % 3,), generator=g).tolist()
-            completion = torch.randint(3, vocab, (2 + (i * 5) % 7,), generator=g).tolist()
+        for prompt, completion in self.random_rows(vocab, rows, g):
             features.append({"input_ids": prompt + completion, "labels": [IGNORE_INDEX] * len(prompt) + completion,
                              "position_ids": list(range(len(prompt) + len(completion)))})  # fmt: skip
         batch = collate(features, pad_id)
-        batch["completion_mask"] = _shifted(batch["labels"]) != IGNORE_INDEX
+        batch["completion_mask"] = shifted(batch["labels"]) != IGNORE_INDEX
         batch["teacher_hidden"] = torch.randn(*batch["input_ids"].shape, 8, generator=g)
         self._head = (torch.randn(vocab, 8, generator=g), None)
         return batch
@@ -223,7 +199,7 @@ class Distill:
                              "labels": [IGNORE_INDEX] * len(segment.prompt_ids) + segment.ids,
                              "position_ids": list(range(len(segment.prompt_ids) + len(segment.ids)))})  # fmt: skip
         batch = collate(features, pad_id)
-        batch["completion_mask"] = _shifted(batch["labels"]) != IGNORE_INDEX
+        batch["completion_mask"] = shifted(batch["labels"]) != IGNORE_INDEX
         return batch
 
 

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from liger_cli.data.encode import IGNORE_INDEX, collate
+from liger_cli.model.objectives.online import Online, shifted
 from liger_cli.model.objectives.preference import (
     find_causal_lm,
     kept_flags,
@@ -41,21 +42,14 @@ from liger_cli.model.objectives.preference import (
 from liger_cli.model.objectives.rewards import Reward, score
 from liger_cli.model.objectives.rollout_stats import rollout_stats
 
-ROLLOUTS_FILE = "rollouts.jsonl"
 
-
-class Grpo:
-    online = True
-
+class Grpo(Online):
     def __init__(self, rl, rewards: list[Reward], seed: int, adapter: bool):
         from liger_kernels.grpo import PER_TOKEN
 
-        self.rl, self.rewards, self.seed, self.adapter = rl, rewards, seed, adapter
+        super().__init__(rl)
+        self.rewards, self.seed, self.adapter = rewards, seed, adapter
         self.unit = "completion token" if rl.loss in PER_TOKEN else "completion"
-        self.step_stats: dict[str, float] = {}
-        """The last rollout's metrics (means over every completion of the step, all processes)."""
-        self.samples: list[dict] = []
-        """The last rollout's rows for rollouts.jsonl (this process's completions)."""
         self._cached: tuple[int, list] | None = None
         self._iteration = 0
         """Which of its num_iterations optimizer steps the current batch of completions serves."""
@@ -110,16 +104,18 @@ class Grpo:
         return loss_units(batch["completion_mask"], self.rl.loss, self._row_sum)
 
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor], num_items: torch.Tensor):
-        from liger_kernels.grpo import aggregate, grpo_token_loss
+        from liger_kernels.grpo import aggregate, grpo_token_loss, importance_weights
 
         rl = self.rl
         logp, mask = token_logprobs(model, batch, rl.temperature)
         # The first update on a batch is on-policy: the old log-probs are the current ones, exactly.
         old = logp.detach() if self._iteration == 0 else batch["old_logp"]
-        weights = None
-        if rl.importance_sampling_cap is not None:
-            ratio = torch.exp(batch["old_logp"] - batch["sampler_logp"])
-            weights = torch.clamp(ratio, max=rl.importance_sampling_cap) * mask
+        weights = capped = None
+        if rl.importance_sampling != "none":  # the sampler's distribution against the trainer's (docs/rl.md)
+            weights, capped = importance_weights(
+                batch["old_logp"], batch["sampler_logp"], mask, rl.importance_sampling,
+                rl.importance_sampling_cap, self._row_sum, batch.get("trajectory"),
+            )  # fmt: skip
         per_token, stats = grpo_token_loss(
             logp, old, batch["advantages"], mask, rl.epsilon, rl.epsilon_high, rl.beta,
             batch.get("ref_logp"), weights, rl.loss, self._row_sum,
@@ -129,16 +125,9 @@ class Grpo:
         metrics = {"clip_fraction": total(stats["clipped"])}
         if "kl" in stats:
             metrics["kl"] = total(stats["kl"])
+        if capped is not None:  # the share of sampled tokens whose weight the cap changed
+            metrics["sampler/capped"] = total(capped.to(per_token.dtype))
         return total(per_token), metrics
-
-    def collate(self, examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
-        """The prompts alone as a batch (the final check's probe); training batches come from rollout."""
-        features = [{"input_ids": e["prompt_ids"], "labels": e["prompt_ids"],
-                     "position_ids": list(range(len(e["prompt_ids"])))} for e in examples]  # fmt: skip
-        return collate(features, pad_id)
-
-    def prepare(self, precompute) -> None:
-        return None
 
     def checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict] | None:
         """This process's batch of completions and its figures, which the remaining num_iterations
@@ -176,25 +165,21 @@ class Grpo:
         left out of it on every path."""
         g = torch.Generator().manual_seed(seed)
         features = []
-        for i in range(rows):
-            prompt = torch.randint(3, vocab, (3 + i % 3,), generator=g).tolist()
-            completion = torch.randint(3, vocab, (2 + (i * 5) % 7,), generator=g).tolist()
+        for prompt, completion in self.random_rows(vocab, rows, g):
             learned = list(completion)
             if len(learned) >= 5:  # an environment turn inside the completion: its ids are not learned
                 learned[2:4] = [IGNORE_INDEX] * 2
             features.append({"input_ids": prompt + completion, "labels": [IGNORE_INDEX] * len(prompt) + learned,
                              "position_ids": list(range(len(prompt) + len(completion)))})  # fmt: skip
         batch = collate(features, pad_id)
-        batch["completion_mask"] = _shifted(batch["labels"]) != IGNORE_INDEX
+        batch["completion_mask"] = shifted(batch["labels"]) != IGNORE_INDEX
         batch["advantages"] = torch.randn(rows, generator=g)
         batch["old_logp"] = -torch.rand(batch["input_ids"].shape, generator=g)
         batch["sampler_logp"] = batch["old_logp"] - 0.01
+        batch["trajectory"] = torch.arange(rows)
         if self.rl.beta > 0:
             batch["ref_logp"] = batch["old_logp"] - 0.05
         return batch
-
-    def start_note(self, first: dict[str, float]) -> str | None:
-        return None
 
     # --- a rollout, step by step --------------------------------------------------------------------
 
@@ -202,19 +187,12 @@ class Grpo:
         """G trajectories of each prompt, scored; the micro-batch of their samples (one row per trajectory,
         or per model turn where the template is not append-only): prompt, then sampled ids learned and
         environment ids not (`completion_mask`), each row knowing its trajectory."""
-        g = self.rl.num_generations
-        rows = [p for p in prompts for _ in range(g)]
-        keys = [f"{data_step}:{p['row']}:{k}" for p in prompts for k in range(g)]
-        trajectories = sample.trajectories(rows, keys)
+        rows, trajectories = self.group(data_step, prompts, sample)
         totals, per_function = self.score(trajectories, rows, sample.text)
         found = [
-            {"prompt": json.loads(rows[i]["prompt"]), "prompt_ids": t.segments[0].prompt_ids,
-             "completion": sample.text(t), "completion_ids": t.segments[0].ids,
-             "completion_mask": t.segments[0].mask, "sampler_logprobs": t.segments[0].logprobs,
-             "messages": t.messages, "turns": t.turns, "tool_calls": t.tool_calls, "tool_errors": t.tool_errors,
-             "tool_timeouts": t.tool_timeouts, "tool_crashes": t.tool_crashes,
-             "finish_reason": t.finish_reason, "rewards": {n: v[i] for n, v in per_function.items()},
-             "reward": totals[i], "sampled_tokens": sum(sum(s.mask) for s in t.segments)}
+            self.rollout_row(rows[i], t, sample.text(t))
+            | {"rewards": {n: v[i] for n, v in per_function.items()}, "reward": totals[i],
+               "sampled_tokens": sum(sum(s.mask) for s in t.segments)}
             | ({"segments": [vars(s) for s in t.segments]} if len(t.segments) > 1 else {})
             for i, t in enumerate(trajectories)
         ]  # fmt: skip
@@ -232,7 +210,7 @@ class Grpo:
                 owners.append(i)
                 segments.append(seg)
         batch = collate(features, sample.tokenizer.pad_token_id)
-        batch["completion_mask"] = _shifted(batch["labels"]) != IGNORE_INDEX
+        batch["completion_mask"] = shifted(batch["labels"]) != IGNORE_INDEX
         batch["sampler_logp"] = _aligned(
             [s.logprobs for s in segments], [len(s.prompt_ids) for s in segments], batch
         )
@@ -357,10 +335,6 @@ def swap_in_place(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
         scratch = x.detach().clone()
         x.copy_(y)
         y.copy_(scratch)
-
-
-def _shifted(labels: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
 
 
 def _aligned(values: list[list[float]], prompt_lengths: list[int], batch: dict) -> torch.Tensor:

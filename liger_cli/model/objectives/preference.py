@@ -27,7 +27,7 @@ import math
 import torch
 from torch import nn
 
-from liger_cli.data.encode import collate
+from liger_cli.data.encode import collate_pairs
 
 NEEDS_REFERENCE = ("dpo",)
 PAIR_INDEX = "pair"
@@ -50,13 +50,7 @@ class Preference:
 
     def collate(self, examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
         """2B rows, chosen then rejected, padded together (one forward for both answers)."""
-        rows = [
-            {"input_ids": ex[f"{side}_input_ids"], "labels": ex[f"{side}_labels"],
-             "position_ids": list(range(len(ex[f"{side}_input_ids"])))}
-            for side in ("chosen", "rejected")
-            for ex in examples
-        ]  # fmt: skip
-        batch = collate(rows, pad_id)
+        batch = collate_pairs(examples, pad_id)
         if PAIR_INDEX in examples[0]:
             batch[PAIR_INDEX] = torch.tensor([ex[PAIR_INDEX] for ex in examples])
         return batch

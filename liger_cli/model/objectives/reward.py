@@ -23,7 +23,7 @@ import math
 import torch
 from torch import nn
 
-from liger_cli.data.encode import collate
+from liger_cli.data.encode import collate_pairs
 from liger_cli.data.preference import FIELDS_COLUMN as FIELDS
 from liger_cli.errors import UserError
 
@@ -43,13 +43,7 @@ class Reward:
     def collate(self, examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
         """2B rows, chosen then rejected, padded together; no labels (a score has none), and each pair's
         margin when the recipe names a margin field."""
-        rows = [
-            {"input_ids": ex[f"{side}_input_ids"], "labels": ex[f"{side}_labels"],
-             "position_ids": list(range(len(ex[f"{side}_input_ids"])))}
-            for side in ("chosen", "rejected")
-            for ex in examples
-        ]  # fmt: skip
-        batch = {k: v for k, v in collate(rows, pad_id).items() if k in MODEL_INPUTS}
+        batch = {k: v for k, v in collate_pairs(examples, pad_id).items() if k in MODEL_INPUTS}
         if self.margin_field is not None:
             batch[MARGIN] = torch.tensor([self._margin(ex) for ex in examples], dtype=torch.float32)
         return batch

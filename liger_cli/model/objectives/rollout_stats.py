@@ -10,7 +10,11 @@ import torch
 def rollout_stats(micro: list[dict], rows: list[dict], reduce, rl, functions: list) -> dict[str, float]:
     """The step's rollout metrics over every completion of every process (`reduce`: a sum, or a max,
     over the processes): rewards and their spread, lengths, the sampler's log-probs against the
-    trainer's, and a multi-turn run's turns and tool calls."""
+    trainer's, and a multi-turn run's turns and tool calls.
+
+    The mismatch, over sampled tokens, with d = trainer's log-prob (the weights that sampled) - the
+    sampler's and r = exp(d): mean and max |d|; r's mean, min and max; `sampler/kl`, the mean of
+    r - 1 - d (k3: an estimate of KL(sampler || trainer) from the sampler's own samples, >= 0)."""
     g = rl.num_generations
     rewards = torch.cat([b["rewards"] for b in micro]).double()
     lengths = torch.tensor([r["sampled_tokens"] for r in rows], dtype=torch.float64)
@@ -25,7 +29,7 @@ def rollout_stats(micro: list[dict], rows: list[dict], reduce, rl, functions: li
         "reward": rewards.sum(), "reward_sq": (rewards**2).sum(), "completions": torch.tensor(float(len(rows))),
         "length": lengths.sum(), "clipped_length": cut.sum(), "zero_std_groups": zero_std.sum(),
         "groups": torch.tensor(float(zero_std.numel())), "tokens": mask.sum(),
-        "abs_diff": diff.abs().sum(), "ratio": (ratio * mask).sum(),
+        "abs_diff": diff.abs().sum(), "ratio": (ratio * mask).sum(), "kl": ((ratio - 1 - diff) * mask).sum(),
     }  # fmt: skip
     if rl.agentic:  # per trajectory: model turns, tool calls, tool errors (timeouts and crashes among them)
         for name in ("turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_crashes"):
@@ -40,7 +44,7 @@ def rollout_stats(micro: list[dict], rows: list[dict], reduce, rl, functions: li
     total = dict(zip(names, reduce(torch.stack([sums[n] for n in names])).tolist(), strict=True))
     extremes = reduce(torch.stack([
         -lengths.min(), lengths.max(), -torch.where(mask > 0, ratio, math.inf).min(),
-        torch.where(mask > 0, ratio, -math.inf).max(),
+        torch.where(mask > 0, ratio, -math.inf).max(), diff.abs().max(),
     ]), "max").tolist()  # fmt: skip
     n, tokens = total["completions"], max(total["tokens"], 1.0)
     mean = total["reward"] / n
@@ -53,6 +57,7 @@ def rollout_stats(micro: list[dict], rows: list[dict], reduce, rl, functions: li
         "completion_length_max": extremes[1], "clipped_ratio": total["clipped_length"] / n,
         "sampler/abs_logp_diff": total["abs_diff"] / tokens, "sampler/ratio_mean": total["ratio"] / tokens,
         "sampler/ratio_min": -extremes[2], "sampler/ratio_max": extremes[3],
+        "sampler/abs_logp_diff_max": extremes[4], "sampler/kl": total["kl"] / tokens,
     }  # fmt: skip
     if rl.agentic:
         stats |= {"turns": total["turns"] / n, "tool/calls": total["tool_calls"] / n,
