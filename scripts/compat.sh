@@ -19,9 +19,13 @@ cd "$(dirname "$0")/.."
 VENV=${LIGER_COMPAT_VENV:-.venv-newest}
 OUT=$VENV/compat
 PY=$VENV/bin/python
-# Tests that exercise transformers, peft and accelerate (about 6 minutes on 2 cores; no benchmarks):
+# Tests that exercise transformers, peft and accelerate (8-10 minutes on 2 cores; no benchmarks):
 # single-process, but for test_qlora.py's 2-process backends (a 4-bit base leans on all three; its
 # ZeRO cases skip here unless DeepSpeed is installed). The sweep runs through scripts/kernel_coverage.py.
+# The real-model files (SmolLM2-135M-Instruct: users fine-tune real checkpoints on the newest releases)
+# share the main environment's folder: scripts/real_model.py's folder() is .venv/models/ under the repo
+# whichever Python runs it (LIGER_REAL_MODEL overrides), built there the first time. Their `liger export`
+# tests need llama-cpp-python, installed below from the wheel scripts/setup.sh built.
 FAST_TESTS=(
   tests/test_compat.py tests/test_patch.py tests/test_kernel_check.py tests/test_kernels_torch.py
   tests/test_flce_numerics.py tests/test_wrap.py tests/test_inspect.py tests/test_plan.py tests/test_cli.py
@@ -29,6 +33,7 @@ FAST_TESTS=(
   tests/test_chat_templates.py tests/test_train.py tests/test_saved_is_trained.py tests/test_preference_loss.py
   tests/test_logprob_kernel.py tests/test_qlora.py tests/test_generate.py tests/test_generate_cli.py
   tests/test_grpo.py tests/test_grpo_train.py tests/test_agent_episodes.py tests/test_agent_train.py
+  tests/test_real_model_train.py tests/test_real_model_commands.py tests/test_real_model_recipes.py
 )
 
 [ -x "$PY" ] || "${PYTHON:-python3}" -m venv "$VENV"
@@ -37,8 +42,22 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   echo "compat: installing ${LIGER_TORCH:-torch==2.13.0} first (a bare torch requirement pulls CUDA)"
   "${PIP[@]}" install "${LIGER_TORCH:-torch==2.13.0}"
 fi
+# llama-cpp-python (the export extra) has no wheel on PyPI: pip would compile llama.cpp (minutes). The
+# wheel scripts/setup.sh built for .venv (pure py3, its own libraries inside) installs here as it is; without
+# one it is built as setup.sh builds it (scripts/llama-cmake-args.sh), into $VENV/llama-wheel.
+if ! "$PY" -c "import llama_cpp" 2>/dev/null; then
+  wheel=$(ls .venv/llama-wheel/llama_cpp_python-*.whl "$VENV"/llama-wheel/llama_cpp_python-*.whl 2>/dev/null | head -n 1 || true)
+  if [ -z "$wheel" ]; then
+    echo "compat: building llama-cpp-python (llama.cpp from source, minutes; no wheel in .venv/llama-wheel)"
+    CMAKE_ARGS="$(bash scripts/llama-cmake-args.sh)" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+      "${PIP[@]}" wheel --no-deps --no-cache-dir -c constraints.txt -w "$VENV/llama-wheel" llama-cpp-python
+    wheel=$(ls "$VENV"/llama-wheel/llama_cpp_python-*.whl | head -n 1)
+  fi
+  echo "compat: installing $wheel"
+  "${PIP[@]}" install --no-deps "$wheel"
+fi
 echo "compat: installing liger (editable, no constraints), then the newest transformers, peft, accelerate"
-"${PIP[@]}" install -e ".[test]"
+"${PIP[@]}" install -e ".[test,export]"
 # Upgraded on their own so pyproject's upper bounds do not hold them back (pip may say they are outside
 # the declared range: that is what this run is for).
 "${PIP[@]}" install --upgrade transformers peft accelerate
