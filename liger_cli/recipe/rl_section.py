@@ -82,6 +82,27 @@ def code_spec(value: str, info: ValidationInfo, what: str) -> str:
     return f"{where}:{name}"
 
 
+class VllmSection(_Section):
+    """rl.engine vllm's server."""
+
+    server: str | None = None
+    """URL of a running `liger vllm-serve` (another GPU, another node); null: the run starts its own on
+    127.0.0.1 and stops it when it ends."""
+    gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
+    """The share of a GPU's memory vLLM may take beside training (its own server)."""
+    max_logp_diff: float | None = Field(None, gt=0)
+    """The bound on the mean |sampler log-prob - trainer log-prob| of a step's sampled tokens past which
+    the run stops, naming a stale engine: default 1e-3 for an fp32 model (a correct update measures about
+    1e-5), 5e-2 otherwise."""
+
+    @field_validator("server")
+    @classmethod
+    def _url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError(f"{value!r}: give the server's URL, e.g. http://10.0.0.2:8000")
+        return value
+
+
 class RLSection(_Section):
     """Online RL (training.objective grpo): sampling, the loss variant and the reward functions; distill
     uses its sampling keys only."""
@@ -119,11 +140,15 @@ class RLSection(_Section):
     its ratio p_trainer / p_sampler (token_*) or its sequence's (sequence_*), capped at
     importance_sampling_cap (*_truncate) or dropped above it (*_mask); formulas in docs/rl.md. Default:
     none with the transformers engine (it samples with the trainer's own weights and forward: the ratios
-    are 1 up to rounding); token_truncate when importance_sampling_cap is given."""
+    are 1 up to rounding); token_truncate with the vllm engine (another forward, its own kernels and
+    precision) or when importance_sampling_cap is given."""
     importance_sampling_cap: float | None = Field(None, gt=0)
     """The cap C of importance_sampling (default 2.0 once a mode is chosen)."""
-    engine: Literal["transformers"] = "transformers"
-    """What samples: liger's engine on the model being trained (the only one for now)."""
+    engine: Literal["transformers", "vllm"] = "transformers"
+    """What samples: liger's engine on the model being trained, or a vLLM server given every weight update
+    (docs/rl.md: its own, started and stopped by the run, or rl.vllm.server's)."""
+    vllm: VllmSection = Field(default_factory=lambda: VllmSection())
+    """rl.engine vllm: where the server is and what it may take."""
     rewards: list[RewardSpec] = Field(default_factory=list)
     """The reward functions, each {function, weight}; rewards are their weighted sum (grpo: at least one)."""
     tools: list[str] = Field(default_factory=list)
@@ -174,6 +199,11 @@ class RLSection(_Section):
         if self.tools and self.environment:
             raise ValueError("rl.tools and rl.environment: give one (an environment's methods are its tools)")
         self._importance_sampling()
+        if self.engine == "vllm" and (self.top_p < 1 or self.top_k > 0):
+            raise ValueError(
+                "rl.engine vllm reports log-probs renormalised over the tokens top_p/top_k keep, and the trainer's "
+                "are over the whole vocabulary: use top_p 1 and top_k 0 with it (or rl.engine transformers)"
+            )
         default = type(self).model_fields["max_turns"].default  # what a run's saved recipe.yaml holds
         if self.max_turns != default and not self.agentic:
             raise ValueError("rl.max_turns applies to runs with rl.tools or rl.environment; remove it")
@@ -182,7 +212,8 @@ class RLSection(_Section):
     def _importance_sampling(self) -> None:
         """Resolve the mode and its cap (a cap alone keeps its old meaning: token_truncate)."""
         if self.importance_sampling is None:
-            self.importance_sampling = "none" if self.importance_sampling_cap is None else "token_truncate"
+            corrected = self.importance_sampling_cap is not None or self.engine == "vllm"
+            self.importance_sampling = "token_truncate" if corrected else "none"
             self.__pydantic_fields_set__.discard("importance_sampling")  # a default, not the recipe's
         if self.importance_sampling == "none":
             if self.importance_sampling_cap is not None:
@@ -199,7 +230,7 @@ class RLSection(_Section):
         return bool(self.tools or self.environment)
 
 
-SAMPLING = ("num_generations", "max_new_tokens", "temperature", "top_p", "top_k", "engine")
+SAMPLING = ("num_generations", "max_new_tokens", "temperature", "top_p", "top_k", "engine", "vllm")
 """The rl keys that say how completions are sampled: all that a distill run's rl section holds."""
 
 
@@ -272,10 +303,25 @@ def check_rl(recipe) -> None:
             "training.eval_samples: a grpo or distill run evaluates greedy completions of every eval prompt "
             "(eval_reward, eval_kl), and writes every completion to rollouts.jsonl; remove training.eval_samples"
         )
+    if recipe.rl.engine == "vllm":
+        check_vllm(recipe)
     if recipe.rl.max_new_tokens >= recipe.data.max_seq_len:
         raise ValueError(
             f"rl.max_new_tokens {recipe.rl.max_new_tokens} leaves no room for the prompt in data.max_seq_len "
             f"{recipe.data.max_seq_len}: raise data.max_seq_len or lower rl.max_new_tokens"
+        )
+
+
+def check_vllm(recipe) -> None:
+    """What the vllm engine cannot serve yet is refused before anything loads."""
+    if recipe.model.path is None:
+        raise ValueError(
+            "rl.engine vllm serves a model folder: set model.path (model.config builds random weights)"
+        )
+    if recipe.model.quantize != "none":
+        raise ValueError(
+            f"rl.engine vllm with model.quantize {recipe.model.quantize}: the server would sample from the "
+            "unquantized base, not the policy being trained; use rl.engine transformers for a 4-bit base"
         )
 
 

@@ -41,6 +41,15 @@ class TransformersEngine:
                 any_running=any_running, device=self.backend.accelerator.device,
             )  # fmt: skip
 
+    def check_step(self, step: int, stats: dict[str, float]) -> None:
+        return None
+
+    def update(self, version: int) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
 
 class Sampler:
     """trajectories(prompt rows, keys, greedy=False) -> Trajectories, sampled by the run's engine: one model
@@ -51,7 +60,12 @@ class Sampler:
         rl = recipe.rl
         self.rl, self.max_seq_len = rl, recipe.data.max_seq_len
         self.backend, self.tokenizer = backend, tokenizer
-        self.engine = TransformersEngine(backend, model, tokenizer.pad_token_id)
+        if rl.engine == "vllm":  # a server given every weight update (liger_cli.run.vllm_policy)
+            from liger_cli.run.vllm_policy import VllmPolicy
+
+            self.engine = VllmPolicy(recipe, backend, model, tokenizer)
+        else:
+            self.engine = TransformersEngine(backend, model, tokenizer.pad_token_id)
         self.sampling = Sampling(rl.max_new_tokens, rl.temperature, rl.top_p, rl.top_k, recipe.training.seed)
         config = getattr(getattr(model, "module", model), "generation_config", None)  # every eos id it names
         self.stop_ids = Renderer(tokenizer, "chat" if tokenizer.chat_template else "text").stop_ids(config)
@@ -109,10 +123,17 @@ class Sampler:
         self.tools_s += stats.tools_s
         return found
 
+    def step_done(self, step: int, stats: dict[str, float]) -> None:
+        """After optimizer step `step` (counted from 1): the engine's sampling of it checked against the
+        trainer (`stats`, the rollout's figures), then the new weights pushed to it (the vllm engine)."""
+        self.engine.check_step(step - 1, stats)
+        self.engine.update(step)
+
     def close(self) -> None:
-        """Stop the tool processes."""
+        """Stop the tool processes and the engine's server."""
         if self.pool is not None:
             self.pool.shutdown()
+        self.engine.close()
 
     @staticmethod
     def text(trajectory: Trajectory) -> str:

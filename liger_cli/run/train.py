@@ -72,6 +72,8 @@ class Trainer:
     """distributed.sequence_parallel: each micro-batch's sequences split over a group of processes."""
     online: bool = False
     """The objective samples its batches from the model as it trains (grpo, distill: `Online`)."""
+    sampler: object = None
+    """An online run's Sampler (liger_cli.run.online), closed by `run` however the loop ends."""
 
 
 def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
@@ -129,7 +131,11 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
             say(note)
     if output.resume_from is not None:
         resume(trainer, output.resume_from)
-    last = fit(trainer)
+    try:
+        last = fit(trainer)
+    finally:  # a run that stops on an error stops its tool processes and its engine's server too
+        if trainer.sampler is not None:
+            trainer.sampler.close()
     finish(trainer, last)
     return last  # the process group is destroyed by the launcher (rank.py), after every run in it
 
@@ -273,23 +279,15 @@ def fit(trainer: Trainer) -> dict[str, float]:
     if online := trainer.online:  # the generation stage is imported by the runs that sample
         from liger_cli.run.online import Sampler, evaluate_rewards, write_rollouts
 
-        sampler = Sampler(recipe, backend, model, data.tokenizer)
+        sampler = trainer.sampler = Sampler(recipe, backend, model, data.tokenizer)
 
     def run_eval(at: int, echo) -> None:
         if online:  # an objective's own evaluation (distill: eval_kl), else by reward (grpo)
             own = getattr(objective, "evaluate", None)
             found = own(model, sampler, data.eval) if own else evaluate_rewards(objective, sampler, data.eval)
         else:
-            found = evaluate(
-                model,
-                data.eval,
-                accelerator,
-                objective,
-                t.micro_batch_size,
-                pad_id,
-                data.filler,
-                trainer.split,
-            )
+            found = evaluate(model, data.eval, accelerator, objective, t.micro_batch_size, pad_id, data.filler,
+                             trainer.split)  # fmt: skip
         if samples is not None:
             found |= samples.write(backend, model, at, echo)
         last.update(found)
@@ -350,6 +348,8 @@ def fit(trainer: Trainer) -> dict[str, float]:
         trainer.optimizer.zero_grad(set_to_none=True)
         trainer.memory.step_ends()
         step += 1
+        if online:  # the engine checked against the trainer, then given the new weights
+            sampler.step_done(step, objective.step_stats)
         window_steps += 1
         progress.update(1)
         if step == 1 and (
@@ -391,7 +391,5 @@ def fit(trainer: Trainer) -> dict[str, float]:
         data.batches.close()  # the reading thread ends with the loop
     if data.eval is not None:  # the final evaluation
         run_eval(step, say)
-    if sampler is not None:
-        sampler.close()
     metrics_log.close()
     return last

@@ -1,0 +1,131 @@
+"""`rl.engine: vllm`: sampling on a vLLM server, token in and token out, with every weight update pushed.
+
+The same contract as liger's own engine (`engine.py`): prompts go as ids, sampled ids come back and are
+never re-tokenized; every stop id; one seed per sequence from (seed, its key), so a completion depends
+on the seed, the step, its prompt and its index only; each sampled token's log-prob under the
+distribution it was sampled from. vLLM reports that after temperature, top-k and top-p (renormalised
+over the kept tokens), so the run's sampling keeps every token (top_p 1, top_k 0: the recipe says so)
+and the log-prob is also the whole vocabulary's, the trainer's support.
+
+Each request is one sequence with its own seed; they go concurrently and the server batches them.
+Every request of a run names the current policy: a LoRA run's adapter, loaded under a new name at each
+update (`policy-<version>`: vLLM serves a reused adapter id's old weights, and keys its prefix cache by
+name), so base and adapter requests are never batched together (vLLM's CPU LoRA kernels apply another
+slot's adapter to a request without one). Full fine-tuning reloads the weights from a safetensors folder
+(`reload_weights`) and resets the prefix cache, which would otherwise serve blocks computed under the old
+weights.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from liger_cli.errors import RunFailed
+from liger_cli.generate.engine import Completion, Sampling, sequence_seed
+from liger_cli.generate.vllm_server import request
+
+CONCURRENT = 64
+"""Requests in flight at once (the server batches them)."""
+FAULTS = "PYTEST_LIGER_VLLM_FAULT"
+"""Test hook: skip_update, wrong_adapter or keep_prefix_cache, to show each is caught at once."""
+
+
+class VllmEngine:
+    def __init__(self, url: str, policy: str | None = None):
+        self.url = url.rstrip("/")
+        models = request(self.url, "/v1/models")["data"]
+        self.base = next(m for m in models if m.get("parent") is None)
+        self.policy = policy or self.base["id"]
+        """What every request names: the base model, or the current adapter."""
+        self.version = None
+        self._folders: list[Path] = []
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.base.get("max_model_len") or 0)
+
+    def complete(self, prompts: list[list[int]], keys: list, sampling: Sampling, stop_ids: list[int]):
+        """One Completion per prompt, in order."""
+        truncated = sampling.top_p < 1 or sampling.top_k > 0
+
+        def one(prompt_and_key) -> Completion:
+            prompt, key = prompt_and_key
+            payload = {
+                "model": self.policy, "prompt": list(prompt), "max_tokens": sampling.max_new_tokens,
+                "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k or -1,
+                "seed": sequence_seed(sampling.seed, key), "logprobs": 0, "return_token_ids": True,
+                "stop_token_ids": list(stop_ids), "skip_special_tokens": False, "ignore_eos": True,
+            }  # fmt: skip
+            choice = request(self.url, "/v1/completions", payload)["choices"][0]
+            ids = list(choice["token_ids"])
+            logprobs = [float(v) for v in choice["logprobs"]["token_logprobs"]]
+            stopped = choice["finish_reason"] == "stop" and bool(ids) and ids[-1] in stop_ids
+            full = [math.nan] * len(ids) if truncated and not sampling.greedy else logprobs
+            return Completion(ids, "stop" if stopped else "length", logprobs, full)
+
+        with ThreadPoolExecutor(min(CONCURRENT, max(1, len(prompts)))) as pool:
+            return list(pool.map(one, zip(prompts, keys, strict=True)))
+
+    # --- the policy it serves ------------------------------------------------------------------------
+
+    def load_adapter(self, folder: Path, version: int) -> None:
+        """Serve the adapter saved in `folder` (a peft adapter) as policy `version`, and drop the last one."""
+        fault = os.environ.get(FAULTS) if version > 0 else None
+        if fault == "skip_update":  # the new weights never arrive: the last ones served under the new name
+            folder = self._folders[-1]
+        elif fault == "wrong_adapter":  # another adapter (the first policy's) under the new name
+            folder = self._folders[0]
+        name = f"policy-{version}"
+        request(self.url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder.resolve())})
+        previous, self.policy, self.version = self.policy, name, version
+        if previous != self.base["id"]:
+            request(self.url, "/v1/unload_lora_adapter", {"lora_name": previous})
+        self._keep(folder)
+
+    def load_weights(self, folder: Path, version: int) -> None:
+        """Serve the full weights saved in `folder` (safetensors, Hugging Face names) as policy `version`;
+        the prefix cache is reset (its blocks were computed under the old weights)."""
+        fault = os.environ.get(FAULTS) if version > 0 else None
+        if fault == "skip_update":
+            return
+        request(self.url, "/collective_rpc", {"method": "reload_weights",
+                                               "kwargs": {"weights_path": str(folder.resolve())}})  # fmt: skip
+        if fault != "keep_prefix_cache":
+            request(self.url, "/reset_prefix_cache", {})
+        self.version = version
+        self._keep(folder)
+
+    def _keep(self, folder: Path) -> None:
+        """Keep the first and the last update's folders (the first: the wrong-adapter fault's stand-in)."""
+        self._folders.append(folder)
+        for old in self._folders[1:-1]:
+            shutil.rmtree(old, ignore_errors=True)
+        self._folders = [*self._folders[:1], *self._folders[-1:]] if len(self._folders) > 1 else self._folders
+
+
+def check_served(engine: VllmEngine, tokenizer, max_seq_len: int, text_probe: str, messages_probe) -> None:
+    """The server must serve this run's tokenizer (a text and, with a chat template, a conversation
+    tokenize to the same ids) and hold data.max_seq_len; otherwise a RunFailed before the first step."""
+    where = f"the vLLM server at {engine.url} (serving {engine.base['id']})"
+    if engine.max_model_len < max_seq_len:
+        raise RunFailed(f"{where} holds {engine.max_model_len} positions, fewer than data.max_seq_len "
+                        f"{max_seq_len}: start it with --max-model-len {max_seq_len} or more")  # fmt: skip
+    model = engine.base["id"]
+    served = request(
+        engine.url, "/tokenize", {"model": model, "prompt": text_probe, "add_special_tokens": False}
+    )
+    ours = tokenizer(text_probe, add_special_tokens=False)["input_ids"]
+    if served["tokens"] != list(ours):
+        raise RunFailed(f"{where} tokenizes text differently from this run's tokenizer (another model or "
+                        "vocabulary): serve the run's model")  # fmt: skip
+    if messages_probe is not None:
+        served = request(engine.url, "/tokenize", {"model": model, "messages": messages_probe,
+                                                   "add_generation_prompt": True, "add_special_tokens": False})  # fmt: skip
+        text = tokenizer.apply_chat_template(messages_probe, tokenize=False, add_generation_prompt=True)
+        if served["tokens"] != list(tokenizer(text, add_special_tokens=False)["input_ids"]):
+            raise RunFailed(f"{where} renders a conversation differently from this run's chat template: "
+                            "serve the run's model and tokenizer")  # fmt: skip

@@ -1,0 +1,120 @@
+"""The run's side of `rl.engine: vllm`: the server (its own, or rl.vllm.server's), checked before the first
+step, and the policy it serves kept equal to the one being trained.
+
+The main process starts the run's own server (127.0.0.1, a free port; it dies with the run) and tells
+the others its URL. Before the first step, and after every optimizer step, the policy is pushed: every
+process gathers the trained weights the backend's way (`backend.full_state_dict`: FSDP and ZeRO-3 shards
+too), the main process saves them (a LoRA run: its adapter in peft's format, served under a new name;
+full fine-tuning: the whole model as safetensors, a tied lm_head written out, reloaded in place and the
+prefix cache reset) and the server loads them; then every process names the new policy in its requests.
+Proof that it worked costs nothing: GRPO compares every sampled token's log-prob with the trainer's
+(`sampler/abs_logp_diff`, logged each step); past `rl.vllm.max_logp_diff` the run stops (`check_step`).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from liger_cli.errors import RunFailed
+from liger_cli.generate.vllm_engine import VllmEngine, check_served
+from liger_cli.generate.vllm_server import free_port, server_command, server_env, start
+
+FOLDER = ".vllm"
+"""In the run's output folder: the server's log and the last pushed policies (removed at the end)."""
+DEFAULT_BOUND = {torch.float32: 1e-3}
+"""rl.vllm.max_logp_diff's default by the model's dtype; 5e-2 for the others (not measured: no GPU yet)."""
+
+
+class VllmPolicy:
+    """The engine behind the run's Sampler when rl.engine is vllm (`complete`), and its updates."""
+
+    def __init__(self, recipe, backend, model, tokenizer):
+        self.recipe, self.backend, self.model = recipe, backend, model
+        accelerator = backend.accelerator
+        self.main = accelerator.is_main_process
+        self.folder = recipe.output.dir / FOLDER
+        self.adapter = recipe.adapter.type != "none"
+        self.server = None
+        url = recipe.rl.vllm.server
+        if url is None and self.main:  # the run's own server
+            self.folder.mkdir(parents=True, exist_ok=True)
+            m = recipe.model
+            command = server_command(
+                Path(m.path).resolve(), free_port(), dtype=_dtype(m.dtype), max_model_len=recipe.data.max_seq_len,
+                max_lora_rank=recipe.adapter.r if self.adapter else 0,
+                gpu_memory_utilization=recipe.rl.vllm.gpu_memory_utilization,
+            )  # fmt: skip
+            self.server = start(command, self.folder / "server.log", server_env())
+            url = self.server.url
+        if url is None or accelerator.num_processes > 1:
+            found = [url]
+            torch.distributed.broadcast_object_list(found, src=0)
+            url = found[0]
+        self.engine = VllmEngine(url)
+        if self.main:
+            probe = [{"role": "user", "content": "What is 2 + 2?"}] if tokenizer.chat_template else None
+            check_served(self.engine, tokenizer, recipe.data.max_seq_len, "Hello world: 12 + 30 = 42.", probe)
+        dtype = next(p for p in model.parameters()).dtype
+        self.bound = recipe.rl.vllm.max_logp_diff or DEFAULT_BOUND.get(dtype, 5e-2)
+        self.update(0)
+
+    def complete(self, prompts, keys, sampling, stop_ids):
+        return self.engine.complete(prompts, keys, sampling, stop_ids)
+
+    def update(self, version: int) -> None:
+        """Push the trained weights as policy `version` (every process: the gather is collective)."""
+        state = self.backend.full_state_dict(self.model)
+        accelerator = self.backend.accelerator
+        if self.main:
+            where = self.folder / f"policy-{version}"
+            shutil.rmtree(where, ignore_errors=True)
+            if self.adapter:
+                self.backend.model_to_save(self.model).save_pretrained(
+                    where, state_dict=state, safe_serialization=True
+                )
+                self.engine.load_adapter(where, version)
+            else:
+                _save_weights(state, where)
+                self.engine.load_weights(where, version)
+        accelerator.wait_for_everyone()
+        if self.adapter:
+            self.engine.policy = f"policy-{version}"
+
+    def check_step(self, step: int, stats: dict[str, float]) -> None:
+        """A step whose sampled tokens the trainer scores far from the sampler: the engine serves another
+        policy (an update lost, the wrong adapter, a stale cache): stop, the last checkpoint kept."""
+        diff = stats.get("sampler/abs_logp_diff")
+        if diff is not None and diff > self.bound:
+            raise RunFailed(
+                f"stale vLLM engine at step {step + 1}: its log-probs differ from the trainer's by {diff:.3g} on "
+                f"average (bound {self.bound:g}, rl.vllm.max_logp_diff): it does not serve the policy being "
+                "trained; the last checkpoint is kept"
+            )
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+        if self.main:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _save_weights(state: dict, where: Path) -> None:
+    """The full model's weights as one safetensors file with Hugging Face names, lm_head written out even
+    when it is tied to the embeddings (vLLM's reload keeps an lm_head it is not given)."""
+    from safetensors.torch import save_file
+
+    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
+    if "lm_head.weight" not in tensors:  # tied: the embeddings are the head
+        embedding = next(k for k in tensors if k.endswith("embed_tokens.weight"))
+        tensors["lm_head.weight"] = tensors[embedding].clone()
+    where.mkdir(parents=True)
+    save_file(tensors, str(where / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _dtype(name: str) -> str:
+    return {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}.get(
+        name, "float32"
+    )
