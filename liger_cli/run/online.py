@@ -175,6 +175,15 @@ class Sampler:
         return [item for part in parts for item in part]
 
 
+def check_engine(recipe) -> None:
+    """rl.engine vllm without rl.vllm.server starts a server from vLLM's own environment: it must be there
+    (a one-line exit 2 saying how to install it, before anything is built or written)."""
+    if recipe.rl.engine == "vllm" and recipe.rl.vllm.server is None:
+        from liger_cli.generate.vllm_server import vllm_python
+
+        vllm_python()
+
+
 def check_prompts(recipe, dataset, which: str) -> None:
     """Every prompt leaves rl.max_new_tokens of room within data.max_seq_len (one-line exit 2 naming the row)."""
     if dataset is None:

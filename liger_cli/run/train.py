@@ -100,8 +100,9 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
     objective = objective_for(recipe)  # a grpo run's reward functions are imported here
     online = isinstance(objective, Online)  # asked once: its batches are sampled from the model as it trains
     if online:
-        from liger_cli.run.online import check_prompts  # online runs only: it imports the generation stage
+        from liger_cli.run.online import check_engine, check_prompts  # online runs: the generation stage
 
+        check_engine(recipe)
         check_prompts(recipe, data.train, "train")
         check_prompts(recipe, data.eval, "eval")
     if hasattr(objective, "check_data"):  # a reward model's margins, before anything is built

@@ -13,13 +13,16 @@ Proof that it worked costs nothing: GRPO compares every sampled token's log-prob
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
+import uuid
 from pathlib import Path
 
 import torch
 
 from liger_cli.errors import RunFailed
-from liger_cli.generate.vllm_engine import VllmEngine, check_served
+from liger_cli.generate.vllm_engine import FAULTS, VllmEngine, check_served
 from liger_cli.generate.vllm_server import free_port, server_command, server_env, start
 
 FOLDER = ".vllm"
@@ -49,11 +52,12 @@ class VllmPolicy:
             )  # fmt: skip
             self.server = start(command, self.folder / "server.log", server_env())
             url = self.server.url
-        if url is None or accelerator.num_processes > 1:
-            found = [url]
+        tag = f"liger-{uuid.uuid4().hex[:8]}"  # this run's adapter names: another run's are not ours
+        if accelerator.num_processes > 1:
+            found = [url, tag]
             torch.distributed.broadcast_object_list(found, src=0)
-            url = found[0]
-        self.engine = VllmEngine(url)
+            url, tag = found
+        self.engine, self.tag = VllmEngine(url), tag
         if self.main:
             probe = [{"role": "user", "content": "What is 2 + 2?"}] if tokenizer.chat_template else None
             check_served(self.engine, tokenizer, recipe.data.max_seq_len, "Hello world: 12 + 30 = 42.", probe)
@@ -66,6 +70,8 @@ class VllmPolicy:
 
     def update(self, version: int) -> None:
         """Push the trained weights as policy `version` (every process: the gather is collective)."""
+        if os.environ.get(FAULTS) == "kill_server" and version == 2 and self.server is not None:
+            self.server.stop()  # the test hook: the server dies between steps
         state = self.backend.full_state_dict(self.model)
         accelerator = self.backend.accelerator
         if self.main:
@@ -75,13 +81,13 @@ class VllmPolicy:
                 self.backend.model_to_save(self.model).save_pretrained(
                     where, state_dict=state, safe_serialization=True
                 )
-                self.engine.load_adapter(where, version)
+                self.engine.load_adapter(where, f"{self.tag}-{version}")
             else:
                 _save_weights(state, where)
-                self.engine.load_weights(where, version)
+                self.engine.load_weights(where)
         accelerator.wait_for_everyone()
-        if self.adapter:
-            self.engine.policy = f"policy-{version}"
+        if self.adapter:  # every process names the new adapter in its requests
+            self.engine.policy = f"{self.tag}-{version}"
 
     def check_step(self, step: int, stats: dict[str, float]) -> None:
         """A step whose sampled tokens the trainer scores far from the sampler: the engine serves another
@@ -95,8 +101,12 @@ class VllmPolicy:
             )
 
     def close(self) -> None:
+        """Stop the run's own server; on another's, unload the run's adapter (best effort: it may be down)."""
         if self.server is not None:
             self.server.stop()
+        elif self.main and self.adapter and self.engine.policy != self.engine.base["id"]:
+            with contextlib.suppress(RunFailed):
+                self.engine.unload(self.engine.policy)
         if self.main:
             shutil.rmtree(self.folder, ignore_errors=True)
 

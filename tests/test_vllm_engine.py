@@ -1,0 +1,270 @@
+"""`rl.engine: vllm` for real: vLLM's CPU build (.venv-vllm, scripts/setup-vllm.sh) serving the quickstart
+model. One server for the module, started by `liger vllm-serve` (the command a user runs on another node):
+the engine's contract is checked against liger's own engine and transformers, adapters against peft,
+GRPO runs point at it (rl.vllm.server), and each kind of stale engine stops a run at the first step it
+happens. The runs that need a server of their own (full fine-tuning reloads the served weights; a server
+that dies) start one as a run does when rl.vllm.server is null."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import QUICKSTART_MODEL
+from test_output_safety import one_line_error
+from test_train import REPO, liger
+
+from liger_cli.errors import RunFailed
+from liger_cli.generate.engine import Sampling, generate
+from liger_cli.generate.vllm_engine import VllmEngine, check_served
+from liger_cli.generate.vllm_server import free_port
+
+pytestmark = pytest.mark.timeout(1200)
+GRPO = REPO / "recipes" / "grpo"
+PROMPTS = [[1, 5, 6, 7], [1, 44, 45, 46, 47, 48], [1, 300, 301], [1, 120, 121, 122, 123]]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """`liger vllm-serve` on the quickstart model (adapters up to rank 16) on a free port; stopped after."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("vllm") / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "liger_cli", "vllm-serve", str(QUICKSTART_MODEL), "--port", str(port),
+             "--max-model-len", "256", "--max-lora-rank", "16"],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    try:
+        while True:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=5):
+                    break
+            except OSError:
+                time.sleep(1)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def quickstart_model(adapter: Path | None = None):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(QUICKSTART_MODEL, dtype=torch.float32)
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter)
+    return model.eval()
+
+
+def token_logprobs(model, prompt: list[int], ids: list[int], temperature: float) -> list[float]:
+    """transformers: log softmax(logits / T) of each id after the prompt, over the whole vocabulary."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1].double()
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    return logp[torch.arange(len(ids)), torch.tensor(ids)].tolist()
+
+
+# --- the engine's contract ---------------------------------------------------------------------------------
+
+
+def test_the_engine_samples_what_transformers_computes(server):
+    """Greedy ids equal liger's own engine's; each sampled token's log-prob equals a transformers forward
+    of the same ids within 1e-4; a completion depends on its key only (alone, or in another batch)."""
+    engine, model = VllmEngine(server), quickstart_model()
+    greedy = Sampling(max_new_tokens=12, temperature=0)
+    ours = generate(model, PROMPTS, greedy, stop_ids=[2], pad_id=3, keys=list(range(4)))
+    served = engine.complete(PROMPTS, list(range(4)), greedy, [2])
+    assert [c.ids for c in served] == [c.ids for c in ours]
+    assert [c.finish_reason for c in served] == [c.finish_reason for c in ours]
+    sampling = Sampling(max_new_tokens=12, temperature=0.8, seed=7)
+    keys = ["0:1:0", "0:1:1", "0:2:0", "0:3:0"]
+    sampled = engine.complete(PROMPTS, keys, sampling, [2])
+    for prompt, c in zip(PROMPTS, sampled, strict=True):
+        want = token_logprobs(model, prompt, c.ids, 0.8)
+        assert max(abs(a - b) for a, b in zip(c.logprobs, want, strict=True)) < 1e-4
+        assert c.full_logprobs == c.logprobs  # nothing truncated: the whole vocabulary's
+    again = engine.complete(PROMPTS[::-1], keys[::-1], sampling, [2])[::-1]
+    assert [c.ids for c in again] == [c.ids for c in sampled]
+    assert len({tuple(c.ids) for c in engine.complete([PROMPTS[0]] * 4, keys, sampling, [2])}) > 1
+
+
+def test_an_adapter_is_served_as_peft_computes_it(server, tmp_path):
+    """A LoRA adapter loaded at run time: greedy ids and log-probs are peft's; the next version replaces it."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    config = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
+    peft_model = get_peft_model(quickstart_model(), config)
+    peft_model.save_pretrained(tmp_path / "a")
+    engine = VllmEngine(server)
+    engine.load_adapter(tmp_path / "a", "test-a")
+    assert engine.policy == "test-a"
+    greedy = Sampling(max_new_tokens=10, temperature=0)
+    served = engine.complete(PROMPTS, list(range(4)), greedy, [2])
+    reference = quickstart_model(tmp_path / "a")
+    ours = generate(reference, PROMPTS, greedy, stop_ids=[2], pad_id=3, keys=list(range(4)))
+    assert [c.ids for c in served] == [c.ids for c in ours]
+    base = [c.ids for c in VllmEngine(server).complete(PROMPTS, list(range(4)), greedy, [2])]
+    assert base != [c.ids for c in served]  # the adapter changes what is served
+    models = json.loads(urllib.request.urlopen(server + "/v1/models").read())["data"]
+    assert [m["id"] for m in models if m.get("parent")] == ["test-a"]
+    engine.unload("test-a")  # the runs below load theirs
+
+
+def test_a_server_of_another_model_or_length_is_refused(server, real_model):
+    from transformers import AutoTokenizer
+
+    engine = VllmEngine(server)
+    quick = AutoTokenizer.from_pretrained(QUICKSTART_MODEL)
+    check_served(engine, quick, 64, "Hello world: 12 + 30 = 42.", None)  # the served model's own: fine
+    with pytest.raises(RunFailed, match="tokenizes text differently"):
+        check_served(
+            engine, AutoTokenizer.from_pretrained(real_model), 64, "Hello world: 12 + 30 = 42.", None
+        )
+    with pytest.raises(RunFailed, match="holds 256 positions, fewer than data.max_seq_len 512"):
+        check_served(engine, quick, 512, "Hello", None)
+
+
+# --- runs -------------------------------------------------------------------------------------------------
+
+
+def grpo_recipe(tmp_path: Path, name: str, **rl) -> Path:
+    """The shipped GRPO recipe (quickstart model, its SFT adapter) for 3 steps with the vllm engine."""
+    recipe = yaml.safe_load((REPO / "recipes" / "grpo.yaml").read_text())
+    recipe["model"]["path"] = str(QUICKSTART_MODEL)
+    recipe["adapter"]["init"] = str(GRPO / "sft-start")
+    recipe["data"].update(train=str(GRPO / "train.jsonl"), eval=str(GRPO / "eval.jsonl"))
+    recipe["training"].update(max_steps=3, micro_batch_size=4, eval_every=100)
+    recipe["rl"].update(engine="vllm", **rl)
+    recipe["output"] = {"dir": str(tmp_path / name), "overwrite": True, "save_every": 1}
+    recipe["logging"] = {"every": 1}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def steps(out: Path) -> list[dict]:
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+def test_a_grpo_run_samples_on_the_server_and_every_update_reaches_it(server, tmp_path):
+    """3 steps pointed at the server: every step's sampled tokens are scored by the trainer within 1e-5
+    of the server's log-probs (each update served), the rollouts written; the run's folder keeps no
+    pushed policy."""
+    proc = liger("train", str(grpo_recipe(tmp_path, "run", vllm={"server": server})))
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
+    found = steps(tmp_path / "run")
+    assert [m["step"] for m in found] == [1, 2, 3]
+    assert all(m["sampler/abs_logp_diff"] < 1e-5 and m["sampler/abs_logp_diff_max"] < 1e-4 for m in found)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 * 4 * 8 and all(
+        len(r["sampler_logprobs"]) == len(r["completion_ids"]) for r in rows
+    )
+    assert not (tmp_path / "run" / ".vllm").exists()
+
+
+@pytest.mark.parametrize("fault", ["skip_update", "wrong_adapter"])
+def test_a_stale_adapter_stops_the_run_at_its_first_step(server, tmp_path, fault):
+    """The update after step 1 does not reach the server (its old weights served under the new name), or
+    the wrong adapter is loaded: step 2 is the first sampled by it, and the run stops there, one line,
+    exit 1, step 1's checkpoint kept."""
+    env = {**os.environ, "PYTEST_LIGER_VLLM_FAULT": fault}
+    proc = subprocess.run(
+        [sys.executable, "-m", "liger_cli", "train", str(grpo_recipe(tmp_path, fault, vllm={"server": server}))],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and lines[0].startswith("error: stale vLLM engine at step 2:"), proc.stderr[-2000:]
+    assert [m["step"] for m in steps(tmp_path / fault)] == [1]
+    assert (tmp_path / fault / "checkpoints" / "step-1").is_dir()
+
+
+def full_recipe(tmp_path: Path, name: str, repeat: bool = False) -> Path:
+    """Full fine-tuning of the quickstart model on its own server (rl.vllm.server null); `repeat`: one
+    prompt every step (its blocks cached under the weights that sampled the step before)."""
+    path = grpo_recipe(tmp_path, name)
+    recipe = yaml.safe_load(path.read_text())
+    recipe["adapter"] = {"type": "none"}
+    recipe["training"].update(lr=1e-3, micro_batch_size=2)
+    if repeat:
+        row = json.loads((GRPO / "train.jsonl").read_text().splitlines()[0])
+        row["prompt"] = row["prompt"] * 8  # about 210 tokens: past a whole KV block (128 positions on a CPU)
+        (tmp_path / "one.jsonl").write_text((json.dumps(row) + "\n") * 8)
+        recipe["data"].update(train=str(tmp_path / "one.jsonl"), max_seq_len=240)
+        # a reward that differs between completions (exact_match gives this prompt 0 for all: no update)
+        (tmp_path / "rewards.py").write_text(
+            "def longer(completions, **kw):\n    return [len(c) / 10 for c in completions]\n"
+        )
+        recipe["rl"]["rewards"] = [{"function": str(tmp_path / "rewards.py") + ":longer"}]
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+@pytest.mark.parametrize("fault", [None, "keep_prefix_cache", "kill_server"])
+def test_full_finetuning_reloads_the_served_weights(tmp_path, fault):
+    """Its own server, full weights reloaded after each step: the trainer agrees with it every step and the
+    server is gone after. A reload that keeps the prefix cache serves blocks of the old weights for a
+    repeated prompt: caught at step 2. A server that dies between steps: one line, exit 1."""
+    env = {**os.environ, **({"PYTEST_LIGER_VLLM_FAULT": fault} if fault else {})}
+    recipe = full_recipe(tmp_path, "full", repeat=fault == "keep_prefix_cache")
+    proc = subprocess.run([sys.executable, "-m", "liger_cli", "train", str(recipe)],
+                          capture_output=True, text=True, env=env, timeout=900)  # fmt: skip
+    out = tmp_path / "full"
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert not (out / ".vllm").exists()  # the server's folder removed, its processes stopped
+    if fault is None:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert all(m["sampler/abs_logp_diff"] < 1e-5 for m in steps(out)) and len(steps(out)) == 3
+        return
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    error = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    want = (
+        "error: stale vLLM engine at step 2:" if fault == "keep_prefix_cache" else "error: the vLLM server at"
+    )
+    assert len(error) == 1 and error[0].startswith(want), proc.stderr[-2000:]
+
+
+# --- recipes it refuses -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["rl.top_p=0.9"], "rl.engine vllm reports log-probs renormalised over the tokens top_p/top_k keep"),
+        (["rl.vllm.server=localhost:8000"], "give the server's URL, e.g. http://10.0.0.2:8000"),
+        (["model.quantize=nf4"], "the server would sample from the unquantized base"),
+    ],
+)
+def test_what_the_vllm_engine_cannot_do_is_one_line(tmp_path, sets, message):
+    args = [x for s in sets for x in ("--set", s)]
+    line = one_line_error(liger("train", str(grpo_recipe(tmp_path, "bad")), *args, "--dry-run"))
+    assert message in line, line
+
+
+def test_without_vllm_installed_the_run_says_how_to_install_it(tmp_path):
+    env = {**os.environ, "LIGER_VLLM_PYTHON": str(tmp_path / "no-python")}
+    proc = subprocess.run([sys.executable, "-m", "liger_cli", "train", str(grpo_recipe(tmp_path, "none"))],
+                          capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    line = one_line_error(proc)
+    assert "vLLM is not installed" in line and "scripts/setup.sh" in line, line
