@@ -60,13 +60,8 @@ SetOption = Annotated[
     list[str] | None,
     typer.Option("--set", help="Override a recipe key, e.g. --set training.lr=1e-4 (repeatable)."),
 ]
-DeviceMemoryOption = Annotated[
-    str | None,
-    typer.Option(
-        "--device-memory",
-        help="Memory of one device for the fit verdict, e.g. 80GB (default: the GPU's, when there is one).",
-    ),
-]
+DeviceMemoryOption = Annotated[str | None, typer.Option(
+    "--device-memory", help="Memory of one device for the fit verdict, e.g. 80GB (default: the GPU's, when there is one).")]  # fmt: skip
 
 
 def _device_memory(text: str | None) -> int | None:
@@ -254,8 +249,6 @@ def vllm_serve(
     weight reload."""
     from liger_cli.generate.vllm_server import serve_command
 
-    if not (model / "config.json").is_file():
-        raise UserError(f"{model}: no config.json there; give a model folder")
     raise typer.Exit(serve_command(model.resolve(), port, host, max_model_len, max_lora_rank, dtype))
 
 
@@ -290,13 +283,8 @@ RunOrModel = Annotated[
     ),
 ]
 AdapterOption = Annotated[Path | None, typer.Option(help="A peft adapter folder to put on the model.")]
-FormatOption = Annotated[
-    str | None,
-    typer.Option(
-        "--format",
-        help="How to render prompts: text, instruction, chat (default: as the run rendered its prompts).",
-    ),
-]
+FormatOption = Annotated[str | None, typer.Option(
+    "--format", help="How to render prompts: text, instruction, chat (default: as the run rendered its prompts).")]  # fmt: skip
 KernelsOption = Annotated[bool, typer.Option(help="Patch our RMSNorm, RoPE and SwiGLU kernels in.")]
 ToolsOption = Annotated[
     list[str] | None,
@@ -351,16 +339,11 @@ def generate_(
 
 @command("objectives.md", "score")
 def score_(
-    run: Annotated[
-        Path, typer.Argument(help="A reward model's run folder (training.objective reward) or its final/.")
-    ],
-    prompts: Annotated[
-        Path,
-        typer.Option(help='A JSONL file of {"prompt": ..., "completion": ...} or {"messages": [...]} rows.'),
-    ],
+    run: Annotated[Path, typer.Argument(help="A reward model's run folder (training.objective reward) or its final/.")],
+    prompts: Annotated[Path, typer.Option(help='A JSONL file of {"prompt", "completion"} or {"messages"} rows.')],
     out: Annotated[Path, typer.Option(help='Where to write the rows with "score" added (JSONL).')],
     batch_size: Annotated[int, typer.Option(help="Sequences scored together.")] = 16,
-) -> None:
+) -> None:  # fmt: skip
     """Score each row of a file with a trained reward model, rendered exactly as the run trained it."""
     from liger_cli.serve.score import score_command
 
@@ -379,16 +362,12 @@ def chat(
     system: Annotated[str | None, typer.Option(help="A system message to start with.")] = None,
     format_: FormatOption = None,
     kernels: KernelsOption = False,
-    image: Annotated[
-        Path | None,
-        typer.Option(
-            help="An image for your first message (a vision-language run); /image PATH in the chat."
-        ),
-    ] = None,
+    image: Annotated[Path | None, typer.Option(help="An image for your first message (a vision-language run); "
+                                                    "/image PATH in the chat.")] = None,
     tools: ToolsOption = None,
     environment: EnvironmentOption = None,
     max_turns: MaxTurnsOption = 4,
-) -> None:
+) -> None:  # fmt: skip
     """Chat with a trained model in the terminal; replies stream as they are generated."""
     from liger_cli.serve.chat import chat_command
 

@@ -145,6 +145,8 @@ def serve_command(
     model: Path, port: int, host: str, max_model_len: int, max_lora_rank: int, dtype: str
 ) -> int:
     """`liger vllm-serve`: the server in the foreground until Ctrl-C (its output on this terminal)."""
+    if not (model / "config.json").is_file():
+        raise UserError(f"{model}: no config.json there; give a model folder")
     command = server_command(model, port, host, dtype, max_model_len, max_lora_rank)
     print(
         f"liger vllm-serve: {model} on http://{host}:{port} (rl.vllm.server in a recipe points a run at it)"
