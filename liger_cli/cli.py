@@ -327,13 +327,14 @@ def generate_(
     tools: ToolsOption = None,
     environment: EnvironmentOption = None,
     max_turns: MaxTurnsOption = 4,
-) -> None:
+    engine: Annotated[str, typer.Option(help="transformers (liger's) or vllm (a vLLM server of its own).")] = "transformers",
+) -> None:  # fmt: skip
     """Complete a file of prompts with a trained model, rendered exactly as the run trained it."""
     from liger_cli.serve.generate import Options, generate_command
 
     sampling = _sampling(max_new_tokens, temperature, top_p, top_k, seed)
     options = Options(sampling, num_return_sequences, batch_size, logprobs, kernels, format_, tuple(tools or ()),
-                      environment, max_turns)  # fmt: skip
+                      environment, max_turns, engine)  # fmt: skip
     raise typer.Exit(generate_command(run_or_model, prompts, out, adapter, options, echo=typer.echo))
 
 

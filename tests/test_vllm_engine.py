@@ -268,3 +268,24 @@ def test_without_vllm_installed_the_run_says_how_to_install_it(tmp_path):
                           capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
     line = one_line_error(proc)
     assert "vLLM is not installed" in line and "scripts/setup.sh" in line, line
+
+
+def test_generate_with_the_vllm_engine_writes_what_liger_s_engine_writes(tmp_path):
+    """`liger generate --engine vllm` on an adapter: a server of its own with the adapter loaded; greedy
+    completions and their log-probs as liger's engine writes them (within 1e-4); refusals in one line."""
+    rows = [{"prompt": f"Write the number in words.\n{n}"} for n in (347, 12, 905)]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = ["generate", str(GRPO / "sft-start"), "--prompts", str(prompts), "--temperature", "0",
+              "--max-new-tokens", "12", "--logprobs"]  # fmt: skip
+    served = liger(*common, "--out", str(tmp_path / "v.jsonl"), "--engine", "vllm")
+    assert served.returncode == 0 and "engine vllm" in served.stdout, served.stderr[-3000:]
+    ours = liger(*common, "--out", str(tmp_path / "t.jsonl"))
+    assert ours.returncode == 0, ours.stderr[-3000:]
+    read = lambda name: [json.loads(line) for line in (tmp_path / name).read_text().splitlines()]  # noqa: E731
+    for v, t in zip(read("v.jsonl"), read("t.jsonl"), strict=True):
+        assert v["completion_ids"] == t["completion_ids"] and v["completion"] == t["completion"]
+        assert max(abs(a - b) for a, b in zip(v["logprobs"], t["logprobs"], strict=True)) < 1e-4
+    line = one_line_error(liger(*common, "--out", str(tmp_path / "x.jsonl"), "--engine", "vllm", "--top-p", "0.9",
+                                "--temperature", "1"))  # fmt: skip
+    assert "--engine vllm reports log-probs over the tokens --top-p/--top-k keep" in line, line

@@ -54,9 +54,13 @@ class Options:
     """`FILE.py:name` functions the model may call (liger_cli.serve.agent)."""
     environment: str | None = None
     max_turns: int = 4
+    engine: str = "transformers"
+    """transformers (liger's engine on the loaded model) or vllm (a vLLM server started for the command)."""
 
 
 def check_options(options: Options) -> None:
+    if options.engine not in ("transformers", "vllm"):
+        raise UserError(f"--engine {options.engine}: choose transformers or vllm")
     if options.num_return_sequences < 1 or options.batch_size < 1:
         raise UserError("--num-return-sequences and --batch-size must be at least 1")
     if options.num_return_sequences > 1 and options.sampling.greedy:
@@ -92,6 +96,8 @@ def generate_command(
         )
     stops = renderer.stop_ids(getattr(model, "generation_config", None))
     toolset = load_cli_tools(list(options.tools), options.environment, tokenizer, renderer.format)
+    # --engine vllm: a server of its own (it dies with this process, however it ends)
+    engine = _vllm(target, options, world, any(images), prompt_ids) if options.engine == "vllm" else None
     if toolset is not None:
         if any(images):
             raise UserError(f"{prompts}: image prompts with --tools are not supported yet; give text prompts")
@@ -118,15 +124,18 @@ def generate_command(
             tokens += sum(sum(t.segments[0].mask) for t in found)
             progress.update(len(batch))
             continue
-        found = generate(
+        keys = [i * n + r for i, r in batch]
+        found = engine.complete(batch_ids, keys, options.sampling, stops) if engine else generate(
             model, batch_ids, options.sampling, stop_ids=stops, pad_id=tokenizer.pad_token_id,
-            keys=[i * n + r for i, r in batch], device=device, inputs=image_inputs([images[i] for i, _ in batch], batch_ids),
+            keys=keys, device=device, inputs=image_inputs([images[i] for i, _ in batch], batch_ids),
         )  # fmt: skip
         done.update(zip(batch, found, strict=True))
         tokens += sum(len(c.ids) for c in found)
         progress.update(len(batch))
         progress.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):.1f} tokens/s")
     progress.close()
+    if engine is not None:
+        engine.server.stop()
     done = _gathered(done, world)
     if rank == 0:
         _write(out, [output_row(rows[i], done[(i, r)], tokenizer, r if n > 1 else None, options.logprobs)
@@ -136,8 +145,36 @@ def generate_command(
             len(c.ids) if isinstance(c, Completion) else sum(c.segments[0].mask) for c in done.values()
         )
         echo(f"wrote {len(sequences)} completions to {out} ({total} tokens, {total / max(elapsed, 1e-9):.1f} tokens/s"
-             f"{f' over {world} processes' if world > 1 else ''}; model: {target.describe}, format {renderer.format})")  # fmt: skip
+             f"{f' over {world} processes' if world > 1 else ''}; model: {target.describe}, format {renderer.format}"
+             f"{', engine vllm' if engine else ''})")  # fmt: skip
     return 0
+
+
+def _vllm(target, options: Options, world: int, images: bool, prompt_ids):
+    """--engine vllm: a vLLM server (liger_cli.generate.vllm_server) on the model folder, the adapter loaded
+    on it when there is one; what it cannot do yet is refused before it starts."""
+    from liger_cli.generate.load import model_folder
+    from liger_cli.generate.vllm_engine import VllmEngine
+    from liger_cli.generate.vllm_server import free_port, server_command, server_env, start
+
+    if world > 1 or options.tools or options.environment or images or target.kind == "checkpoint":
+        raise UserError("--engine vllm generates in one process from a model or an adapter (a run's final/), "
+                        "without --tools and images: drop --engine vllm for the rest")  # fmt: skip
+    if options.sampling.top_p < 1 or options.sampling.top_k > 0:
+        raise UserError("--engine vllm reports log-probs over the tokens --top-p/--top-k keep: use --top-p 1 "
+                        "--top-k 0 with it, or liger's engine")  # fmt: skip
+    adapter = target.kind == "adapter" or (target.recipe is not None and target.recipe.adapter.type != "none")
+    folder = Path(model_folder(target)).resolve()
+    rank = json.loads((target.weights / "adapter_config.json").read_text())["r"] if adapter else 0
+    length = max(len(ids) for ids in prompt_ids) + options.sampling.max_new_tokens
+    command = server_command(folder, free_port(), max_model_len=length, max_lora_rank=rank)
+    log = Path(tempfile.mkdtemp(prefix="liger-vllm-")) / "server.log"
+    server = start(command, log, server_env())
+    engine = VllmEngine(server.url)
+    engine.server = server  # stopped by generate_command
+    if adapter:
+        engine.load_adapter(target.weights, "generate")
+    return engine
 
 
 def render_all(
