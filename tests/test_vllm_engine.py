@@ -20,6 +20,7 @@ import pytest
 import torch
 import yaml
 from conftest import QUICKSTART_MODEL
+from safetensors.torch import load_file
 from test_output_safety import one_line_error
 from test_train import REPO, liger
 
@@ -169,17 +170,27 @@ def steps(out: Path) -> list[dict]:
 def test_a_grpo_run_samples_on_the_server_and_every_update_reaches_it(server, tmp_path):
     """3 steps pointed at the server: every step's sampled tokens are scored by the trainer within 1e-5
     of the server's log-probs (each update served), the rollouts written; the run's folder keeps no
-    pushed policy."""
+    pushed policy. The same run stopped after step 2 and resumed samples and trains the same."""
     proc = liger("train", str(grpo_recipe(tmp_path, "run", vllm={"server": server})))
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
     found = steps(tmp_path / "run")
     assert [m["step"] for m in found] == [1, 2, 3]
     assert all(m["sampler/abs_logp_diff"] < 1e-5 and m["sampler/abs_logp_diff_max"] < 1e-4 for m in found)
     rows = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
-    assert len(rows) == 3 * 4 * 8 and all(
-        len(r["sampler_logprobs"]) == len(r["completion_ids"]) for r in rows
-    )
+    assert len(rows) == 3 * 4 * 8
+    assert all(len(r["sampler_logprobs"]) == len(r["completion_ids"]) for r in rows)
     assert not (tmp_path / "run" / ".vllm").exists()
+    # Stopped after step 2 and resumed (as after a crash): the same completions and the same adapter.
+    stopped = grpo_recipe(tmp_path, "stopped", vllm={"server": server})
+    assert liger("train", str(stopped), "--set", "training.max_steps=2").returncode == 0
+    proc = liger("train", str(stopped), "--set", "output.resume=auto", "--set", "output.overwrite=false")
+    assert proc.returncode == 0 and "resumed from" in proc.stdout, proc.stderr[-3000:]
+    again = [json.loads(line) for line in (tmp_path / "stopped" / "rollouts.jsonl").read_text().splitlines()]
+    assert [r["completion_ids"] for r in again] == [r["completion_ids"] for r in rows]
+    got, want = (
+        load_file(tmp_path / name / "final" / "adapter_model.safetensors") for name in ("stopped", "run")
+    )
+    assert got.keys() == want.keys() and all((got[k] - want[k]).abs().max() < 1e-6 for k in want)
 
 
 @pytest.mark.parametrize("fault", ["skip_update", "wrong_adapter"])
