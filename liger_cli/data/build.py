@@ -36,7 +36,7 @@ from liger_cli.data.encode import (
     encode_text,
     truncate,
 )
-from liger_cli.data.files import FORMAT_FIELDS, ROW_COLUMN, where
+from liger_cli.data.files import FORMAT_FIELDS, encoded_rows
 from liger_cli.data.images import IMAGE_COLUMNS, IMAGE_FILES, IMAGE_STARTS, IMAGES_COLUMN
 from liger_cli.data.mix import fraction_orders, mixture
 from liger_cli.data.preference import FIELDS_COLUMN, PAIR_COLUMNS
@@ -293,11 +293,7 @@ def batch_encoder(path: Path, fmt: str, data_cfg: DataConfig, tokenizer, images:
         names = ("input_ids", "labels", "position_ids", "row", "length", DROP_COLUMN, WARNINGS_COLUMN)
         out: dict[str, list] = {name: [] for name in names + (IMAGE_COLUMNS if images is not None else ())}
         notes, kept = [], []  # per row: its warnings; per kept row: (position, ids, labels, turns)
-        rows = [{k: v[j] for k, v in batch.items()} for j in range(len(batch[ROW_COLUMN]))]
-        for j, (row, enc) in enumerate(zip(rows, encode(rows, tokenizer), strict=True)):
-            index = row[ROW_COLUMN]
-            if isinstance(enc, ValueError):  # a template problem found while rendering this row
-                raise UserError(f"data error: {path} {where(path, index)}: {enc}") from None
+        for j, (_, index, enc) in enumerate(encoded_rows(batch, lambda r: encode(r, tokenizer), path)):
             found = [list(w) for w in enc.warnings]
             if (bos_message := double_bos(tokenizer, enc.input_ids)) is not None:
                 found.append(["DOUBLE_BOS", start_field, bos_message])

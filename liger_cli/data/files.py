@@ -305,6 +305,19 @@ def _no_images(messages: list, name: str) -> str | None:
     return None
 
 
+def encoded_rows(batch: dict[str, list], encode, path: Path):
+    """A datasets batch (column -> values) as (row, its index in its file, its encoding) per row, `encode`
+    taking the rows; an encoding that is a ValueError (a template problem found while rendering that row)
+    is a UserError naming the row."""
+    from liger_cli.errors import UserError
+
+    rows = [{k: v[j] for k, v in batch.items()} for j in range(len(batch[ROW_COLUMN]))]
+    for row, enc in zip(rows, encode(rows), strict=True):
+        if isinstance(enc, ValueError):
+            raise UserError(f"data error: {path} {where(path, row[ROW_COLUMN])}: {enc}") from None
+        yield row, row[ROW_COLUMN], enc
+
+
 def where(path: Path, index: int) -> str:
     """'row N' (1-based); for JSON lines also the line, which differs when the file has blank lines."""
     if path.suffix.lower() == ".jsonl":

@@ -20,10 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from liger_cli.data.encode import IGNORE_INDEX, Encoded, _encode_with_prefix
-from liger_cli.data.files import ROW_COLUMN, where
+from liger_cli.data.files import ROW_COLUMN, encoded_rows
 from liger_cli.data.processes import encode_table, tokenizing_processes
 from liger_cli.data.split import DROP_COLUMN, WARNINGS_COLUMN
-from liger_cli.errors import UserError
 
 SIDES = ("chosen", "rejected")
 PAIR_COLUMNS = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
@@ -143,11 +142,9 @@ def encode_pairs(rows, path: Path, data_cfg, tokenizer):
         names = (*PAIR_COLUMNS, "row", "prompt_length", "chosen_length", "rejected_length", "length",
                  FIELDS_COLUMN)  # fmt: skip
         out: dict[str, list] = {name: [] for name in (*names, DROP_COLUMN, WARNINGS_COLUMN)}
-        rows = [{k: v[j] for k, v in batch.items()} for j in range(len(batch[ROW_COLUMN]))]
-        for row, pair in zip(rows, encode_pairs_of(rows, tokenizer, learn_reasoning), strict=True):
-            index = row[ROW_COLUMN]
-            if isinstance(pair, ValueError):  # a template problem found while rendering this row
-                raise UserError(f"data error: {path} {where(path, index)}: {pair}") from None
+        for row, index, pair in encoded_rows(
+            batch, lambda r: encode_pairs_of(r, tokenizer, learn_reasoning), path
+        ):
             found = [list(w) for enc in (pair.chosen, pair.rejected) for w in enc.warnings]
             answers = [enc.input_ids[prompt_length(enc) :] for enc in (pair.chosen, pair.rejected)]
             if answers[0] == answers[1]:

@@ -24,7 +24,7 @@ import json
 from pathlib import Path
 
 from liger_cli.data.encode import IGNORE_INDEX, Encoded, _encode_with_prefix
-from liger_cli.data.files import ROW_COLUMN, where
+from liger_cli.data.files import encoded_rows
 from liger_cli.data.preference import prompt_length, truncate_sides
 from liger_cli.data.processes import encode_table, tokenizing_processes
 from liger_cli.data.split import DROP_COLUMN, WARNINGS_COLUMN
@@ -72,11 +72,8 @@ def encode_unpaired(rows, path: Path, data_cfg, tokenizer):
     def encode_batch(batch: dict[str, list]) -> dict[str, list]:
         names = ("input_ids", "labels", LABEL, "row", "prompt_length", "completion_length", "length")
         out: dict[str, list] = {name: [] for name in (*names, DROP_COLUMN, WARNINGS_COLUMN)}
-        rows = [{k: v[j] for k, v in batch.items()} for j in range(len(batch[ROW_COLUMN]))]
-        for row, enc in zip(rows, encode_completions_of(rows, tokenizer, learn_reasoning), strict=True):
-            index = row[ROW_COLUMN]
-            if isinstance(enc, ValueError):  # a template problem found while rendering this row
-                raise UserError(f"data error: {path} {where(path, index)}: {enc}") from None
+        encode = lambda r: encode_completions_of(r, tokenizer, learn_reasoning)  # noqa: E731
+        for row, index, enc in encoded_rows(batch, encode, path):
             (kept,), _ = truncate_sides([enc], max_len, tokenizer.bos_token_id)
             drop = all(label == IGNORE_INDEX for label in kept.labels[1:])
             out["input_ids"].append([] if drop else kept.input_ids)
