@@ -193,6 +193,30 @@ def test_a_grpo_run_samples_on_the_server_and_every_update_reaches_it(server, tm
     assert got.keys() == want.keys() and all((got[k] - want[k]).abs().max() < 1e-6 for k in want)
 
 
+@pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
+def test_two_processes_sample_and_train_what_one_does(server, tmp_path, backend):
+    """2 processes (micro-batch 2 each) against 1 (micro-batch 4), both on the server: every process sends
+    its own prompts, the gathered weights are pushed once per step, and the completions and the adapter
+    are the 1-process run's."""
+    one = liger(
+        "train", str(grpo_recipe(tmp_path, "one", vllm={"server": server})), "--set", "training.max_steps=2"
+    )
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = grpo_recipe(tmp_path, "two", vllm={"server": server})
+    proc = liger("train", str(two), "--set", "training.max_steps=2", "--set", "training.micro_batch_size=2",
+                 "--set", f"distributed.backend={backend}", "--set", "distributed.num_processes=2")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
+    read = lambda name: sorted(  # noqa: E731
+        json.dumps(json.loads(line)["completion_ids"]) for line in (tmp_path / name / "rollouts.jsonl").open()
+    )
+    assert read("two") == read("one") and len(read("one")) == 2 * 4 * 8
+    got, want = (
+        load_file(tmp_path / name / "final" / "adapter_model.safetensors") for name in ("two", "one")
+    )
+    assert got.keys() == want.keys() and all((got[k] - want[k]).abs().max() < 1e-5 for k in want)
+    assert all(m["sampler/abs_logp_diff"] < 1e-5 for m in steps(tmp_path / "two"))
+
+
 @pytest.mark.parametrize("fault", ["skip_update", "wrong_adapter"])
 def test_a_stale_adapter_stops_the_run_at_its_first_step(server, tmp_path, fault):
     """The update after step 1 does not reach the server (its old weights served under the new name), or
