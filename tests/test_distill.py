@@ -134,6 +134,7 @@ def test_eval_kl_and_exact_answers_are_logged_at_every_evaluation(run: Path) -> 
         "top_p",
         "top_k",
         "engine",
+        "vllm",
     }
     assert "beta" not in saved["distill"]  # reverse_kl: the resolved recipe loads again
 
