@@ -5,7 +5,8 @@ transformers' own `generate`, and vLLM (`rl.engine: vllm`: its CPU build's serve
 The same prompts (the GRPO quickstart's, rendered through the chat template), G samples each at
 temperature 1, up to --new-tokens, stopping at the template's end of turn. liger's engine and `generate`
 run in this process (CPU seconds: this process's); vLLM in its server (CPU seconds: its whole process
-group's, read from /proc; its start is reported apart, as a run pays it once). Each variant runs
+group's, read from /proc, plus this process's for the requests; its start is reported apart, as a run
+pays it once). Each variant runs
 --repeats times after a warm-up, alternated; the best of each is printed with the ratios to liger's
 engine measured in the same run.
 
@@ -112,7 +113,7 @@ def main() -> int:
         return sum(next((k + 1 for k, t in enumerate(seq) if t in stops), len(seq)) for seq in ids)
 
     variants = {"liger engine": (liger_engine, own_cpu), "transformers generate": (transformers_generate, own_cpu),
-                "vllm server": (vllm, lambda: group_cpu(server.process.pid))}  # fmt: skip
+                "vllm server": (vllm, lambda: group_cpu(server.process.pid) + own_cpu())}  # fmt: skip
     best: dict[str, tuple[float, float, int]] = {}
     try:
         for run, _ in variants.values():
