@@ -36,11 +36,11 @@ show that each is caught at once."""
 
 
 class VllmEngine:
-    def __init__(self, url: str, policy: str | None = None):
+    def __init__(self, url: str):
         self.url = url.rstrip("/")
         models = request(self.url, "/v1/models")["data"]
         self.base = next(m for m in models if m.get("parent") is None)
-        self.policy = policy or self.base["id"]
+        self.policy = self.base["id"]
         """What every request names: the base model, or the current adapter."""
         self._folders: list[Path] = []
 
@@ -104,9 +104,8 @@ class VllmEngine:
     def _keep(self, folder: Path) -> None:
         """Keep the first and the last update's folders (the first: the wrong-adapter fault's stand-in)."""
         self._folders.append(folder)
-        for old in self._folders[1:-1]:
-            shutil.rmtree(old, ignore_errors=True)
-        self._folders = [*self._folders[:1], *self._folders[-1:]] if len(self._folders) > 1 else self._folders
+        while len(self._folders) > 2:
+            shutil.rmtree(self._folders.pop(1), ignore_errors=True)
 
 
 def check_served(engine: VllmEngine, tokenizer, max_seq_len: int, text_probe: str, messages_probe) -> None:
