@@ -297,6 +297,13 @@ def test_what_the_vllm_engine_cannot_do_is_one_line(tmp_path, sets, message):
     assert message in line, line
 
 
+def test_distillation_on_vllm_is_refused_until_its_updates_can_be_proved():
+    line = one_line_error(
+        liger("train", str(REPO / "recipes" / "distill.yaml"), "--set", "rl.engine=vllm", "--dry-run")
+    )
+    assert "a distillation step takes no trainer log-probs of the samples" in line, line
+
+
 def test_without_vllm_installed_the_run_says_how_to_install_it(tmp_path):
     env = {**os.environ, "LIGER_VLLM_PYTHON": str(tmp_path / "no-python")}
     proc = subprocess.run([sys.executable, "-m", "liger_cli", "train", str(grpo_recipe(tmp_path, "none"))],
