@@ -57,12 +57,24 @@ def server(tmp_path_factory):
             except OSError:
                 time.sleep(1)
         yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
+    finally:  # SIGTERM to `liger vllm-serve` alone: the server must end with it (no server left behind)
+        proc.terminate()
+        proc.wait(timeout=60)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not _gone(url):
+            time.sleep(1)
+        gone = _gone(url)
+        if not gone:
             os.killpg(proc.pid, signal.SIGKILL)
+        assert gone, f"the server at {url} outlived liger vllm-serve"
+
+
+def _gone(url: str) -> bool:
+    try:
+        urllib.request.urlopen(url + "/health", timeout=2)
+    except OSError:
+        return True
+    return False
 
 
 def quickstart_model(adapter: Path | None = None):

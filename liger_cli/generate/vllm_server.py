@@ -151,11 +151,14 @@ def serve_command(
     print(
         f"liger vllm-serve: {model} on http://{host}:{port} (rl.vllm.server in a recipe points a run at it)"
     )
-    process = subprocess.Popen(command, env=server_env(host), start_new_session=True)
+    # In this process's group (a terminal's Ctrl-C, or a signal to the group, reaches both), dying with it.
+    process = subprocess.Popen(command, env=server_env(host), preexec_fn=_die_with_parent)
+    stop = lambda *_: process.terminate()  # noqa: E731
+    signal.signal(signal.SIGTERM, stop)  # a SIGTERM to this process alone ends the server too
     try:
         return process.wait()
     except KeyboardInterrupt:
-        os.killpg(process.pid, signal.SIGTERM)
+        process.terminate()
         return process.wait()
 
 
