@@ -58,7 +58,7 @@ def free_port() -> int:
 
 def server_command(
     model: Path, port: int, host: str = "127.0.0.1", dtype: str = "float32", max_model_len: int = 2048,
-    max_lora_rank: int = 0, gpu_memory_utilization: float = 0.3, name: str | None = None,
+    max_lora_rank: int = 0, gpu_memory_utilization: float = 0.3,
 ) -> list[str]:  # fmt: skip
     """The server's command line (no shell: every argument its own string)."""
     command = [
@@ -68,8 +68,6 @@ def server_command(
         "--max-num-batched-tokens", str(max_model_len), "--enforce-eager", "--seed", "0",
         "--gpu-memory-utilization", str(gpu_memory_utilization),
     ]  # fmt: skip
-    if name is not None:
-        command += ["--served-model-name", name]
     if max_lora_rank:
         command += ["--enable-lora", "--max-lora-rank", str(_lora_rank(max_lora_rank)), "--max-loras", "2"]
     return command

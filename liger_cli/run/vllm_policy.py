@@ -35,7 +35,7 @@ class VllmPolicy:
     """The engine behind the run's Sampler when rl.engine is vllm (`complete`), and its updates."""
 
     def __init__(self, recipe, backend, model, tokenizer):
-        self.recipe, self.backend, self.model = recipe, backend, model
+        self.backend, self.model = backend, model
         accelerator = backend.accelerator
         self.main = accelerator.is_main_process
         self.folder = recipe.output.dir / FOLDER
@@ -125,6 +125,5 @@ def _save_weights(state: dict, where: Path) -> None:
 
 
 def _dtype(name: str) -> str:
-    return {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}.get(
-        name, "float32"
-    )
+    """model.dtype as vLLM's --dtype (auto: float32, as liger loads it)."""
+    return "float32" if name == "auto" else name
