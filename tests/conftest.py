@@ -25,6 +25,19 @@ if "LIGER_CACHE" not in os.environ or not os.environ["LIGER_CACHE"].startswith(t
     os.environ["LIGER_CACHE"] = tempfile.mkdtemp(prefix="liger-test-cache-")
     atexit.register(shutil.rmtree, os.environ["LIGER_CACHE"], ignore_errors=True)
 
+# The experiment trackers (logging.report_to) of every test and every process a test starts: offline,
+# their stores in one throwaway folder (each test run a project of its own), no telemetry: nothing
+# reaches a tracker's server, the network or the home folder.
+if not os.environ.get("TRACKIO_DIR", "").startswith(tempfile.gettempdir()):
+    _trackers = tempfile.mkdtemp(prefix="liger-test-trackers-")
+    atexit.register(shutil.rmtree, _trackers, ignore_errors=True)
+    os.environ.update(
+        TRACKIO_DIR=os.path.join(_trackers, "trackio"), WANDB_MODE="offline", WANDB_DIR=_trackers,
+        WANDB_CACHE_DIR=os.path.join(_trackers, "wandb-cache"), WANDB_CONFIG_DIR=os.path.join(_trackers, "wandb-config"),
+        WANDB_DATA_DIR=os.path.join(_trackers, "wandb-data"), MLFLOW_TRACKING_URI=f"sqlite:///{_trackers}/mlflow.db",
+        MLFLOW_DISABLE_TELEMETRY="true", DO_NOT_TRACK="1", GRADIO_ANALYTICS_ENABLED="False",
+    )  # fmt: skip
+
 REPO = Path(__file__).resolve().parents[1]
 
 # The suite runs on pytest-xdist workers (pyproject's addopts), each test file whole on one worker.

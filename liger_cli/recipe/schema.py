@@ -23,6 +23,7 @@ from liger_cli.recipe.base import RelPath, _Section
 from liger_cli.recipe.data_section import DataSection
 from liger_cli.recipe.distributed_section import SPLIT_OBJECTIVES, DistributedSection, split_names
 from liger_cli.recipe.kto_section import KtoSection, check_kto
+from liger_cli.recipe.logging_section import LoggingSection
 from liger_cli.recipe.preference_section import PreferenceSection
 from liger_cli.recipe.reward_section import RewardSection, check_reward
 from liger_cli.recipe.rl_section import DistillSection, RLSection, check_rl, dump_online
@@ -244,17 +245,6 @@ class OutputSection(_Section):
         if not path.is_absolute() and base is not None:
             path = Path(base) / path
         return str(path.resolve())
-
-
-class LoggingSection(_Section):
-    """Where the metrics go and how often."""
-
-    every: int = Field(10, ge=1)
-    """Log the metrics every N steps."""
-    tensorboard: bool = True
-    """Write TensorBoard events to OUT/tensorboard."""
-    jsonl: bool = True
-    """Write the metrics to OUT/metrics.jsonl."""
 
 
 class Recipe(_Section):

@@ -1,13 +1,15 @@
-"""What a run logs: console line + metrics.jsonl + TensorBoard, written by the main process only."""
+"""What a run logs: console line + metrics.jsonl + the experiment trackers (TensorBoard, trackio, W&B,
+MLflow: `trackers.py`), written by the main process only."""
 
 from __future__ import annotations
 
+import atexit
 import json
 from pathlib import Path
 
 import torch
 
-from liger_cli.recipe import LoggingSection
+from liger_cli.recipe import Recipe
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -62,16 +64,18 @@ def _status_kib(field: str) -> int:
 
 
 class MetricsLog:
-    """Console line + metrics.jsonl + TensorBoard, written by the main process only."""
+    """Console line + metrics.jsonl + the trackers of `logging.report_to` (TensorBoard among them:
+    `trackers.py`), written by the main process only."""
 
-    def __init__(self, out: Path, logging: LoggingSection, enabled: bool):
+    def __init__(self, out: Path, recipe: Recipe, enabled: bool):
         self.enabled = enabled
-        self.jsonl = (out / "metrics.jsonl").open("a") if enabled and logging.jsonl else None
-        self.tb = None
-        if enabled and logging.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+        self.jsonl = (out / "metrics.jsonl").open("a") if enabled and recipe.logging.jsonl else None
+        self.trackers = None
+        if enabled and recipe.logging.trackers:
+            from liger_cli.run.trackers import Trackers
 
-            self.tb = SummaryWriter(str(out / "tensorboard"))
+            self.trackers = Trackers(out, recipe)
+            atexit.register(self._ended_early)  # a run that stops on an error still ends its tracker runs
 
     def write(self, step: int, metrics: dict[str, float], echo) -> None:
         if not self.enabled:
@@ -80,14 +84,19 @@ class MetricsLog:
         if self.jsonl:
             self.jsonl.write(json.dumps(record) + "\n")
             self.jsonl.flush()
-        if self.tb:
-            for key, value in metrics.items():
-                self.tb.add_scalar(key, value, step)
-            self.tb.flush()
+        if self.trackers:
+            self.trackers.log(step, metrics)
         echo(f"step {step:>6}  " + "  ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
 
-    def close(self) -> None:
+    def close(self, summary: dict[str, float] | None = None) -> None:
+        """`summary`: the final metrics (the trackers' summary); None: the run stopped before its end."""
         if self.jsonl:
             self.jsonl.close()
-        if self.tb:
-            self.tb.close()
+            self.jsonl = None
+        if self.trackers:
+            atexit.unregister(self._ended_early)
+            self.trackers.finish(summary)
+            self.trackers = None
+
+    def _ended_early(self) -> None:
+        self.close(None)

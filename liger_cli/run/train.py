@@ -43,6 +43,7 @@ from liger_cli.run.metrics import MemoryWatch, MetricsLog, peak_memory_mb
 from liger_cli.run.output_dir import OutputDecision, claim_output
 from liger_cli.run.reference import precompute_for
 from liger_cli.run.sequence_parallel import SequenceParallel, attending
+from liger_cli.run.trackers import check_installed
 
 FINAL_METRICS = "final_metrics.json"
 
@@ -87,6 +88,7 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
     backend = backend_for(recipe, plan)
     accelerator = backend.make_accelerator()
     say = echo if accelerator.is_main_process else (lambda *_: None)
+    check_installed(recipe.logging, accelerator.is_main_process)  # exit 2 before any work
     split = (
         SequenceParallel.start(recipe.distributed.sequence_parallel)
         if recipe.distributed.sequence_parallel > 1
@@ -268,7 +270,7 @@ def fit(trainer: Trainer) -> dict[str, float]:
     recipe, backend, model, data = trainer.recipe, trainer.backend, trainer.model, trainer.data
     accelerator, t, out, say = backend.accelerator, recipe.training, recipe.output.dir, trainer.say
     main, device, pad_id = accelerator.is_main_process, accelerator.device, data.tokenizer.pad_token_id
-    metrics_log = MetricsLog(out, recipe.logging, main)
+    metrics_log = MetricsLog(out, recipe, main)
     objective = trainer.objective
     step = trainer.step
     last: dict[str, float] = {}
@@ -392,5 +394,5 @@ def fit(trainer: Trainer) -> dict[str, float]:
         data.batches.close()  # the reading thread ends with the loop
     if data.eval is not None:  # the final evaluation
         run_eval(step, say)
-    metrics_log.close()
+    metrics_log.close({**last, "peak_mem_growth_mb": trainer.memory.peak_mb})  # final_metrics.json's
     return last
