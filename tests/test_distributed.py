@@ -249,6 +249,8 @@ def backend_cases(assets: dict, folder: Path, backend: str) -> tuple[list[dict],
         if backend == "fsdp2" and name == "lora-ac":
             env = {"FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer,"}
         save = {"output__save_every": 2} if name == "lora" else {}
+        if backend == "ddp" and name == "lora":  # rank 0 alone opens the trackers: one run each (test below)
+            save |= {"logging__report_to": TRACKED, "logging__project": tracked_project(folder)}
         cases.append(
             {"recipe": str(write_recipe(assets, outs[name], backend, adapter, ac, **save)), "env": env}
         )
@@ -277,6 +279,14 @@ def backend_cases(assets: dict, folder: Path, backend: str) -> tuple[list[dict],
     return cases, outs, resumed
 
 
+TRACKED = ["trackio", "wandb", "mlflow"]
+
+
+def tracked_project(folder: Path) -> str:
+    """The DDP LoRA case's tracker project: the session's launch folder names it (the stores are the session's)."""
+    return f"ddp-lora-{folder.parents[1].name}"
+
+
 def launch_part(root: Path) -> tuple[list[dict], dict]:
     """This file's cases of the shared 2-process launch (tests/conftest.py `two_process_launch`): every
     backend's cases, then FSDP-1's field failure. Per backend: its outputs, its resumed run, its recipes
@@ -302,6 +312,18 @@ def backend_runs(two_process_launch) -> dict[str, dict]:
     for run in runs.values():
         run["stdout"] = "".join(recipe.with_suffix(".stdout").read_text() for recipe in run["recipes"])
     return runs
+
+
+@pytest.mark.timeout(1200)
+def test_two_processes_make_one_tracker_run(backend_runs) -> None:
+    """The DDP LoRA case reports to trackio, W&B and MLflow: exactly one run in each, holding every value
+    of its metrics.jsonl (both ranks' steps, reduced) at its step, once (tests/test_trackers.py)."""
+    from test_trackers import assert_one_run_each
+
+    run = backend_runs["ddp"]
+    out = run["outs"]["lora"]
+    assert_one_run_each(out, tracked_project(run["folder"]), TRACKED)
+    assert set(json.loads((out / "trackers.json").read_text())) == {*TRACKED, "logged"}
 
 
 @pytest.mark.timeout(1200)
