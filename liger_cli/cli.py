@@ -197,12 +197,14 @@ def launch(
     port: Annotated[int | None, typer.Option(help="The rendezvous port (default: the recipe's).")] = None,
     slurm: Annotated[bool, typer.Option(help="Write a Slurm batch script instead (srun).")] = False,
     out: Annotated[Path | None, typer.Option(help="Write to this file instead of printing.")] = None,
+    vllm_serve: Annotated[bool, typer.Option(help="One more machine serves vLLM (rl.engine vllm).")] = False,
+    vllm_ip: Annotated[str | None, typer.Option(help="--vllm-serve: that machine's address.")] = None,
     set_: SetOption = None,
 ) -> None:
     """Print the command each machine runs for NODES x PROCS processes of the recipe, or a Slurm script."""
     from liger_cli.launch.nodes import launch_command
 
-    text = launch_command(recipe, set_ or [], nodes, procs, main_ip, port, slurm, out)
+    text = launch_command(recipe, set_ or [], nodes, procs, main_ip, port, slurm, out, vllm_serve, vllm_ip)
     typer.echo(f"wrote {out}" if out is not None else text, nl=out is not None)
 
 
@@ -244,12 +246,13 @@ def vllm_serve(
     max_model_len: Annotated[int, typer.Option(help="Positions per sequence (at least data.max_seq_len).")] = 2048,
     max_lora_rank: Annotated[int, typer.Option(help="The largest adapter rank (0: full fine-tuning only).")] = 64,
     dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16 (the run's model.dtype).")] = "float32",
+    memory: Annotated[float, typer.Option("--gpu-memory-utilization", help="The GPU memory share it takes.")] = 0.9,
 ) -> None:  # fmt: skip
     """Serve MODEL with vLLM for training runs elsewhere (rl.vllm.server: URL): ids in and out, runtime adapters,
     weight reload."""
     from liger_cli.generate.vllm_server import serve_command
 
-    raise typer.Exit(serve_command(model.resolve(), port, host, max_model_len, max_lora_rank, dtype))
+    raise typer.Exit(serve_command(model.resolve(), port, host, max_model_len, max_lora_rank, dtype, memory))
 
 
 @command("bench.md")

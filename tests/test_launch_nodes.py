@@ -88,8 +88,82 @@ def test_mistakes_are_one_line_and_write_nothing(tmp_path: Path) -> None:
         "exists; remove it or give another file": ["--nodes", "2", "--main-ip", "h", "--set", "distributed.backend=ddp",
                                                    "--out", str(kept)],
         "unknown key `distributed.num_nodes`": ["--set", "distributed.num_nodes=2"],
+        "--vllm-serve: the recipe does not sample with vLLM": ["--vllm-serve", "--vllm-ip", "h"],
     }  # fmt: skip
+    grpo = [str(REPO / "recipes" / "grpo.yaml"), "--vllm-serve", "--set", "rl.engine=vllm"]
+    cases_grpo = {
+        "--vllm-ip HOST: the serving machine's address": [],
+        "the recipe already names a server (rl.vllm.server http://h:1)": ["--vllm-ip", "h", "--set",
+                                                                            "rl.vllm.server=http://h:1"],
+    }  # fmt: skip
+    for expected, args in cases_grpo.items():
+        line = one_line_error(invoke("launch", *grpo, *args))
+        assert expected in line, (expected, line)
     for expected, args in cases.items():
         line = one_line_error(invoke("launch", str(RECIPE), *args))
         assert expected in line, (expected, line)
     assert kept.read_text() == "mine\n" and sorted(p.name for p in tmp_path.iterdir()) == ["kept.sh"]
+
+
+def test_a_serving_node_runs_vllm_and_the_trainers_are_pointed_at_it(tmp_path: Path) -> None:
+    """`--vllm-serve`: printed, one more machine's `liger vllm-serve` (the run's model, data.max_seq_len,
+    its adapter rank) and every training machine told its URL; in the Slurm script, the job's last node
+    serves (every interface, in the background) while the others train with the same commands."""
+    grpo = REPO / "recipes" / "grpo.yaml"
+    mine = ["rl.engine=vllm", "distributed.backend=fsdp2"]
+    args = [
+        "launch",
+        str(grpo),
+        "--nodes",
+        "2",
+        "--procs",
+        "2",
+        "--vllm-serve",
+        *(x for s in mine for x in ("--set", s)),
+    ]
+    printed = invoke(*args, "--main-ip", "10.1.2.3", "--vllm-ip", "10.1.2.9")
+    assert printed.returncode == 0, printed.stderr
+    serve, *trainers = commands(printed.stdout)
+    loaded = load_recipe(grpo, mine)
+    assert serve == ["liger", "vllm-serve", str(loaded.model.path.resolve()), "--host", "10.1.2.9", "--port", "8000",
+                     "--dtype", "float32", "--max-model-len", str(loaded.data.max_seq_len),
+                     "--max-lora-rank", str(loaded.adapter.r)]  # fmt: skip
+    assert len(trainers) == 2
+    for rank, argv in enumerate(trainers):
+        assert argv[:3] == ["liger", "train", str(grpo)]
+        r = load_recipe(grpo, argv[4::2])
+        assert (r.rl.vllm.server, r.distributed.machine_rank) == ("http://10.1.2.9:8000", rank)
+    # The Slurm script, with stand-ins: scontrol names three nodes; srun runs its command on the nodes
+    # --nodes and --relative name (SLURM_NODEID set), in the background where the script says so.
+    script = tmp_path / "job.sh"
+    assert invoke(*args, "--slurm", "--out", str(script)).returncode == 0
+    assert "#SBATCH --nodes=3" in script.read_text()
+    shims, capture = tmp_path / "bin", tmp_path / "argv.jsonl"
+    shims.mkdir()
+    (shims / "scontrol").write_text("#!/bin/bash\nprintf 'node-a\\nnode-b\\nnode-c\\n'\n")
+    (shims / "srun").write_text(
+        "#!/bin/bash\nnodes=1; first=0\n"
+        'while [[ "$1" == --* ]]; do case "$1" in --nodes=*) nodes=${1#--nodes=};; '
+        "--relative=*) first=${1#--relative=};; esac; shift; done\n"
+        'for ((id = first; id < first + nodes; id++)); do SLURM_NODEID=$id "$@" || exit $?; done\n'
+    )
+    (shims / "liger").write_text(
+        f"#!{sys.executable}\nimport json, os, sys\n"
+        f"open({str(capture)!r}, 'a').write(json.dumps([os.environ['SLURM_NODEID'], 'liger', *sys.argv[1:]]) + '\\n')\n"
+    )
+    for shim in shims.iterdir():
+        shim.chmod(0o755)
+    env = {**os.environ, "PATH": f"{shims}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node-[a-c]"}
+    ran = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 0, ran.stderr
+    got = {tuple(json.loads(line)) for line in capture.read_text().splitlines()}
+    host = serve.index("--host") + 1
+    assert ("2", *serve[:host], "0.0.0.0", *serve[host + 1 :]) in got  # the last node serves
+    trained = sorted((node, load_recipe(grpo, list(argv[4::2]))) for node, *argv in got if argv[1] == "train")
+    assert [node for node, _ in trained] == ["0", "1"]
+    for node, r in trained:
+        assert (r.rl.vllm.server, r.distributed.machine_rank, r.distributed.main_process_ip) == (
+            "http://node-c:8000",
+            int(node),
+            "node-a",
+        )

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -34,17 +37,32 @@ GRPO = REPO / "recipes" / "grpo"
 PROMPTS = [[1, 5, 6, 7], [1, 44, 45, 46, 47, 48], [1, 300, 301], [1, 120, 121, 122, 123]]
 
 
+def launched(recipe: Path, port: int) -> tuple[list[str], list[str]]:
+    """`liger launch RECIPE --vllm-serve` for one machine: the serving machine's argv and the training
+    machine's, as printed (the port made a free one), `liger` run as `python -m liger_cli`."""
+    proc = liger("launch", str(recipe), "--vllm-serve", "--vllm-ip", "127.0.0.1")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [shlex.split(line) for line in proc.stdout.splitlines() if line and not line.startswith("#")]
+    serve, train = [[a.replace(":8000", f":{port}") if a.startswith("rl.vllm.server=") else a for a in argv]
+                    for argv in lines]  # fmt: skip
+    assert serve[:2] == ["liger", "vllm-serve"] and serve[serve.index("--port") + 1] == "8000"
+    serve[serve.index("--port") + 1] = str(port)
+    assert train[:2] == ["liger", "train"] and f"rl.vllm.server=http://127.0.0.1:{port}" in train
+    return [sys.executable, "-m", "liger_cli", *serve[1:]], train[1:]
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """`liger vllm-serve` on the quickstart model (adapters up to rank 16) on a free port; stopped after."""
+    """The serving machine's command that `liger launch --vllm-serve` prints for the GRPO recipe
+    (`liger vllm-serve` on the quickstart model, adapters up to its rank 16, data.max_seq_len 256), on a
+    free port; stopped after."""
     port = free_port()
-    log = tmp_path_factory.mktemp("vllm") / "serve.log"
+    folder = tmp_path_factory.mktemp("vllm")
+    log = folder / "serve.log"
+    command, _ = launched(grpo_recipe(folder, "fixture", max_seq_len=256), port)
+    assert command[command.index("--max-model-len") + 1] == "256" and "--max-lora-rank" in command
     with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "liger_cli", "vllm-serve", str(QUICKSTART_MODEL), "--port", str(port),
-             "--max-model-len", "256", "--max-lora-rank", "16"],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     try:
@@ -160,12 +178,14 @@ def test_a_server_of_another_model_or_length_is_refused(server, real_model):
 # --- runs -------------------------------------------------------------------------------------------------
 
 
-def grpo_recipe(tmp_path: Path, name: str, **rl) -> Path:
+def grpo_recipe(tmp_path: Path, name: str, max_seq_len: int = 64, **rl) -> Path:
     """The shipped GRPO recipe (quickstart model, its SFT adapter) for 3 steps with the vllm engine."""
     recipe = yaml.safe_load((REPO / "recipes" / "grpo.yaml").read_text())
     recipe["model"]["path"] = str(QUICKSTART_MODEL)
     recipe["adapter"]["init"] = str(GRPO / "sft-start")
-    recipe["data"].update(train=str(GRPO / "train.jsonl"), eval=str(GRPO / "eval.jsonl"))
+    recipe["data"].update(
+        train=str(GRPO / "train.jsonl"), eval=str(GRPO / "eval.jsonl"), max_seq_len=max_seq_len
+    )
     recipe["training"].update(max_steps=3, micro_batch_size=4, eval_every=100)
     recipe["rl"].update(engine="vllm", **rl)
     recipe["output"] = {"dir": str(tmp_path / name), "overwrite": True, "save_every": 1}
@@ -180,50 +200,102 @@ def steps(out: Path) -> list[dict]:
 
 
 def test_a_grpo_run_samples_on_the_server_and_every_update_reaches_it(server, tmp_path):
-    """3 steps pointed at the server: every step's sampled tokens are scored by the trainer within 1e-5
-    of the server's log-probs (each update served), the rollouts written; the run's folder keeps no
-    pushed policy. The same run stopped after step 2 and resumed samples and trains the same."""
-    proc = liger("train", str(grpo_recipe(tmp_path, "run", vllm={"server": server})))
+    """3 steps, started as `liger launch --vllm-serve` prints the training machine's command: every step's
+    sampled tokens are scored by the trainer within 1e-5 of the server's log-probs (each update served),
+    the rollouts written; the run's folder keeps no pushed policy. The same run with a server that hangs
+    after step 2 (it takes requests and never answers): one line naming it, exit 1, step 1's checkpoint
+    kept; resumed, it samples step 2 again as it did and trains the same."""
+    _, train = launched(grpo_recipe(tmp_path, "run"), int(server.rsplit(":", 1)[1]))
+    proc = liger(*train)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
     found = steps(tmp_path / "run")
     assert [m["step"] for m in found] == [1, 2, 3]
     assert all(m["sampler/abs_logp_diff"] < 1e-5 and m["sampler/abs_logp_diff_max"] < 1e-4 for m in found)
     rows = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
-    assert len(rows) == 3 * 4 * 8
+    assert len(rows) == 3 * 4 * 8 and [r["step"] for r in rows[::32]] == [1, 2, 3]
     assert all(len(r["sampler_logprobs"]) == len(r["completion_ids"]) for r in rows)
     assert not (tmp_path / "run" / ".vllm").exists()
-    # Stopped after step 2 and resumed (as after a crash): the same completions and the same adapter.
-    stopped = grpo_recipe(tmp_path, "stopped", vllm={"server": server})
-    assert liger("train", str(stopped), "--set", "training.max_steps=2").returncode == 0
+    # The server hangs after step 2: the run stops at the update, one line, exit 1, step 1's checkpoint kept.
+    stopped = grpo_recipe(tmp_path, "stopped", vllm={"server": server, "timeout": 5})
+    env = {**os.environ, "PYTEST_LIGER_VLLM_FAULT": "hang_server"}
+    proc = subprocess.run([sys.executable, "-m", "liger_cli", "train", str(stopped)],
+                          capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    error = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and "did not answer /v1/load_lora_adapter within 5 s (hung" in error[0], error
+    assert [m["step"] for m in steps(tmp_path / "stopped")] == [1]
+    assert sorted(p.name for p in (tmp_path / "stopped" / "checkpoints").iterdir()) == ["step-1"]
     proc = liger("train", str(stopped), "--set", "output.resume=auto", "--set", "output.overwrite=false")
     assert proc.returncode == 0 and "resumed from" in proc.stdout, proc.stderr[-3000:]
     again = [json.loads(line) for line in (tmp_path / "stopped" / "rollouts.jsonl").read_text().splitlines()]
-    assert [r["completion_ids"] for r in again] == [r["completion_ids"] for r in rows]
+    # step 2's rows twice: as sampled before the hang, and again after resuming (the same seeds, weights)
+    ids = lambda found: [r["completion_ids"] for r in found]  # noqa: E731
+    assert ids(again) == ids(rows[:64] + rows[32:])
     got, want = (
         load_file(tmp_path / name / "final" / "adapter_model.safetensors") for name in ("stopped", "run")
     )
     assert got.keys() == want.keys() and all((got[k] - want[k]).abs().max() < 1e-6 for k in want)
 
 
-@pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
-def test_two_processes_sample_and_train_what_one_does(server, tmp_path, backend):
-    """2 processes (micro-batch 2 each) against 1 (micro-batch 4), both on the server: every process sends
-    its own prompts, the gathered weights are pushed once per step, and the completions and the adapter
-    are the 1-process run's."""
-    one = liger(
-        "train", str(grpo_recipe(tmp_path, "one", vllm={"server": server})), "--set", "training.max_steps=2"
+def test_a_server_of_another_model_is_refused_before_the_first_step(server, tmp_path):
+    """The server's model tokenizes as the run's but is another (its weights perturbed) or has fewer ids
+    than the trained model's vocabulary: the log-prob probe refuses it before any step, one line, exit 1."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    for name in ("other", "larger_vocabulary"):
+        model = AutoModelForCausalLM.from_pretrained(QUICKSTART_MODEL, dtype=torch.float32)
+        with torch.no_grad():
+            if name == "other":
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p) * 0.02)
+            else:
+                model.resize_token_embeddings(model.config.vocab_size + 64, mean_resizing=False)
+        model.save_pretrained(tmp_path / name)
+        for f in QUICKSTART_MODEL.iterdir():
+            if f.name.startswith(("tokenizer", "chat_template")):
+                shutil.copy(f, tmp_path / name)
+    want = {"other": "computes other log-probs than the model being trained",
+            "larger_vocabulary": "has a smaller vocabulary than the model being trained"}  # fmt: skip
+    for name, message in want.items():
+        recipe = grpo_recipe(tmp_path, f"run-{name}", vllm={"server": server})
+        proc = liger(
+            "train", str(recipe), "--set", f"model.path={tmp_path / name}", "--set", "adapter.init=null"
+        )
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        error = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert len(error) == 1 and message in error[0], proc.stderr[-2000:]
+        assert not (tmp_path / f"run-{name}" / "metrics.jsonl").exists() or not steps(
+            tmp_path / f"run-{name}"
+        )
+
+
+@pytest.fixture(scope="module")
+def one_process(server, tmp_path_factory) -> Path:
+    """2 steps of the GRPO recipe on the server in 1 process (micro-batch 4)."""
+    out = tmp_path_factory.mktemp("one")
+    proc = liger(
+        "train", str(grpo_recipe(out, "one", vllm={"server": server})), "--set", "training.max_steps=2"
     )
-    assert one.returncode == 0, one.stderr[-3000:]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out / "one"
+
+
+@pytest.mark.parametrize("backend", ["ddp", "fsdp1", "fsdp2", "deepspeed"])
+def test_two_processes_sample_and_train_what_one_does(server, one_process, tmp_path, backend):
+    """2 processes (micro-batch 2 each) against 1 (micro-batch 4), both on the server, under each backend
+    (ZeRO-3 for deepspeed): every process sends its own prompts, the weights gathered from the shards are
+    pushed once per step, and the completions and the adapter are the 1-process run's."""
     two = grpo_recipe(tmp_path, "two", vllm={"server": server})
     proc = liger("train", str(two), "--set", "training.max_steps=2", "--set", "training.micro_batch_size=2",
                  "--set", f"distributed.backend={backend}", "--set", "distributed.num_processes=2")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
-    read = lambda name: sorted(  # noqa: E731
-        json.dumps(json.loads(line)["completion_ids"]) for line in (tmp_path / name / "rollouts.jsonl").open()
+    read = lambda out: sorted(  # noqa: E731
+        json.dumps(json.loads(line)["completion_ids"]) for line in (out / "rollouts.jsonl").open()
     )
-    assert read("two") == read("one") and len(read("one")) == 2 * 4 * 8
+    assert read(tmp_path / "two") == read(one_process) and len(read(one_process)) == 2 * 4 * 8
     got, want = (
-        load_file(tmp_path / name / "final" / "adapter_model.safetensors") for name in ("two", "one")
+        load_file(out / "final" / "adapter_model.safetensors") for out in (tmp_path / "two", one_process)
     )
     assert got.keys() == want.keys() and all((got[k] - want[k]).abs().max() < 1e-5 for k in want)
     assert all(m["sampler/abs_logp_diff"] < 1e-5 for m in steps(tmp_path / "two"))
@@ -270,12 +342,15 @@ def full_recipe(tmp_path: Path, name: str, repeat: bool = False) -> Path:
 
 @pytest.mark.parametrize("fault", [None, "keep_prefix_cache", "kill_server"])
 def test_full_finetuning_reloads_the_served_weights(tmp_path, fault):
-    """Its own server, full weights reloaded after each step: the trainer agrees with it every step and the
-    server is gone after. A reload that keeps the prefix cache serves blocks of the old weights for a
-    repeated prompt: caught at step 2. A server that dies between steps: one line, exit 1."""
+    """Its own server, full weights reloaded after each step (without a fault: 2 processes, the weights
+    gathered from ZeRO-3 shards): the trainer agrees with it every step and the server is gone after. A
+    reload that keeps the prefix cache serves blocks of the old weights for a repeated prompt: caught at
+    step 2. A server that dies between steps: one line, exit 1."""
     env = {**os.environ, **({"PYTEST_LIGER_VLLM_FAULT": fault} if fault else {})}
     recipe = full_recipe(tmp_path, "full", repeat=fault == "keep_prefix_cache")
-    proc = subprocess.run([sys.executable, "-m", "liger_cli", "train", str(recipe)],
+    sharded = [] if fault else ["--set", "distributed.backend=deepspeed", "--set", "distributed.num_processes=2",
+                                "--set", "training.micro_batch_size=1"]  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "liger_cli", "train", str(recipe), *sharded],
                           capture_output=True, text=True, env=env, timeout=900)  # fmt: skip
     out = tmp_path / "full"
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
@@ -363,3 +438,24 @@ def test_the_agent_recipe_runs_its_episodes_on_vllm(tmp_path):
     assert first_eval(runs["vllm"]) == first_eval(runs["transformers"])
     step = next(r for r in runs["vllm"] if "loss" in r)
     assert step["sampler/abs_logp_diff"] < 1e-5 and step["tool/calls"] > 0.5
+
+
+def test_generate_serves_the_dtype_liger_s_engine_loads(tmp_path):
+    """--engine vllm's server gets the dtype liger's engine would load: a run's model.dtype (auto: float32),
+    else the model's own config (an fp32 config stays fp32; vLLM's own auto would halve it)."""
+    from liger_cli.generate.load import find_target
+    from liger_cli.recipe import load_recipe
+    from liger_cli.serve.generate import _served_dtype
+
+    model = find_target(QUICKSTART_MODEL)
+    assert json.loads((QUICKSTART_MODEL / "config.json").read_text()).get("dtype", "float32") == "float32"
+    assert _served_dtype(model, QUICKSTART_MODEL) == "float32"
+    bf16 = tmp_path / "bf16"
+    shutil.copytree(QUICKSTART_MODEL, bf16)
+    config = json.loads((bf16 / "config.json").read_text())
+    (bf16 / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    assert _served_dtype(find_target(bf16), bf16) == "bfloat16"
+    for dtype, served in (("auto", "float32"), ("bfloat16", "bfloat16")):
+        recipe = load_recipe(REPO / "recipes" / "grpo.yaml", [f"model.dtype={dtype}"])
+        run = replace(model, kind="final", recipe=recipe)
+        assert _served_dtype(run, QUICKSTART_MODEL) == served

@@ -31,14 +31,15 @@ from liger_cli.generate.vllm_server import request
 CONCURRENT = 64
 """Requests in flight at once (the server batches them)."""
 FAULTS = "PYTEST_LIGER_VLLM_FAULT"
-"""Test hook: skip_update, wrong_adapter, keep_prefix_cache (or kill_server, liger_cli.run.vllm_policy), to
-show that each is caught at once."""
+"""Test hook: skip_update, wrong_adapter, keep_prefix_cache (or kill_server, hang_server:
+liger_cli.run.vllm_policy), to show that each is caught at once."""
 
 
 class VllmEngine:
-    def __init__(self, url: str):
-        self.url = url.rstrip("/")
-        models = request(self.url, "/v1/models")["data"]
+    def __init__(self, url: str, timeout: float = 600.0):
+        self.url, self.timeout = url.rstrip("/"), timeout
+        """Seconds one request may take (a hung server is a RunFailed, never a stalled run)."""
+        models = self.ask("/v1/models")["data"]
         self.base = next(m for m in models if m.get("parent") is None)
         self.policy = self.base["id"]
         """What every request names: the base model, or the current adapter."""
@@ -60,7 +61,7 @@ class VllmEngine:
                 "seed": sequence_seed(sampling.seed, key), "logprobs": 0, "return_token_ids": True,
                 "stop_token_ids": list(stop_ids), "skip_special_tokens": False, "ignore_eos": True,
             }  # fmt: skip
-            choice = request(self.url, "/v1/completions", payload)["choices"][0]
+            choice = self.ask("/v1/completions", payload)["choices"][0]
             ids = list(choice["token_ids"])
             logprobs = [float(v) for v in choice["logprobs"]["token_logprobs"]]
             stopped = choice["finish_reason"] == "stop" and bool(ids) and ids[-1] in stop_ids
@@ -70,7 +71,17 @@ class VllmEngine:
         with ThreadPoolExecutor(min(CONCURRENT, max(1, len(prompts)))) as pool:
             return list(pool.map(one, zip(prompts, keys, strict=True)))
 
+    def prompt_logprobs(self, ids: list[int]) -> list[float]:
+        """The served policy's log-prob of each id after the first, given those before it (temperature 1)."""
+        payload = {"model": self.policy, "prompt": list(ids), "max_tokens": 1, "temperature": 1.0,
+                   "prompt_logprobs": 0, "return_token_ids": True}  # fmt: skip
+        found = self.ask("/v1/completions", payload)["choices"][0]["prompt_logprobs"][1:]
+        return [float(entry[str(i)]["logprob"]) for i, entry in zip(ids[1:], found, strict=True)]
+
     # --- the policy it serves ------------------------------------------------------------------------
+
+    def ask(self, path: str, payload: dict | None = None) -> dict:
+        return request(self.url, path, payload, self.timeout)
 
     def load_adapter(self, folder: Path, name: str) -> None:
         """Serve the adapter saved in `folder` (a peft adapter) under `name` (new: a reused name would serve
@@ -80,14 +91,14 @@ class VllmEngine:
             folder = self._folders[-1]
         elif fault == "wrong_adapter":  # another adapter (the first policy's) under the new name
             folder = self._folders[0]
-        request(self.url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder.resolve())})
+        self.ask("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder.resolve())})
         previous, self.policy = self.policy, name
         if previous != self.base["id"]:
             self.unload(previous)
         self._keep(folder)
 
     def unload(self, name: str) -> None:
-        request(self.url, "/v1/unload_lora_adapter", {"lora_name": name})
+        self.ask("/v1/unload_lora_adapter", {"lora_name": name})
 
     def load_weights(self, folder: Path) -> None:
         """Serve the full weights saved in `folder` (safetensors, Hugging Face names); the prefix cache is
@@ -95,10 +106,11 @@ class VllmEngine:
         fault = os.environ.get(FAULTS) if self._folders else None
         if fault == "skip_update":
             return
-        request(self.url, "/collective_rpc", {"method": "reload_weights",
-                                               "kwargs": {"weights_path": str(folder.resolve())}})  # fmt: skip
+        self.ask(
+            "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(folder.resolve())}}
+        )
         if fault != "keep_prefix_cache":
-            request(self.url, "/reset_prefix_cache", {})
+            self.ask("/reset_prefix_cache", {})
         self._keep(folder)
 
     def _keep(self, folder: Path) -> None:
@@ -116,15 +128,13 @@ def check_served(engine: VllmEngine, tokenizer, max_seq_len: int, text_probe: st
         raise RunFailed(f"{where} holds {engine.max_model_len} positions, fewer than data.max_seq_len "
                         f"{max_seq_len}: start it with --max-model-len {max_seq_len} or more")  # fmt: skip
     model = engine.base["id"]
-    served = request(
-        engine.url, "/tokenize", {"model": model, "prompt": text_probe, "add_special_tokens": False}
-    )
+    served = engine.ask("/tokenize", {"model": model, "prompt": text_probe, "add_special_tokens": False})
     ours = tokenizer(text_probe, add_special_tokens=False)["input_ids"]
     if served["tokens"] != list(ours):
         raise RunFailed(f"{where} tokenizes text differently from this run's tokenizer (another model or "
                         "vocabulary): serve the run's model")  # fmt: skip
     if messages_probe is not None:
-        served = request(engine.url, "/tokenize", {"model": model, "messages": messages_probe,
+        served = engine.ask("/tokenize", {"model": model, "messages": messages_probe,
                                                    "add_generation_prompt": True, "add_special_tokens": False})  # fmt: skip
         text = tokenizer.apply_chat_template(messages_probe, tokenize=False, add_generation_prompt=True)
         if served["tokens"] != list(tokenizer(text, add_special_tokens=False)["input_ids"]):

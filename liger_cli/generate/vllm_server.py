@@ -94,6 +94,7 @@ class Server:
         if self.process.poll() is None:
             try:
                 os.killpg(self.process.pid, signal.SIGTERM)
+                os.killpg(self.process.pid, signal.SIGCONT)  # a stopped (hung) server handles it too
                 self.process.wait(timeout=15)
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 pass
@@ -120,32 +121,39 @@ def start(command: list[str], log: Path, env: dict[str, str], timeout: float = S
             start_new_session=True, preexec_fn=_die_with_parent,
         )  # fmt: skip
     server = Server(url, process, log)
+    try:
+        wait_healthy(url, timeout, process)
+    except RunFailed as err:
+        server.stop()
+        raise RunFailed(f"{err}: {server.tail()} (whole log: {log})") from None
+    return server
+
+
+def wait_healthy(url: str, timeout: float, process: subprocess.Popen | None = None) -> None:
+    """Wait until the server at `url` answers /health (a server just started, or rl.vllm.server on a node
+    still loading): a RunFailed when `process` exits first or `timeout` seconds pass."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            server.stop()
-            raise RunFailed(f"the vLLM server exited ({process.returncode}) while starting: {server.tail()} "
-                            f"(whole log: {log})")  # fmt: skip
+    while True:
+        if process is not None and process.poll() is not None:
+            raise RunFailed(f"the vLLM server exited ({process.returncode}) while starting")
         try:
             with urllib.request.urlopen(url + "/health", timeout=5) as answer:
                 if answer.status == 200:
-                    return server
+                    return
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
             pass
+        if time.monotonic() > deadline:
+            raise RunFailed(f"the vLLM server at {url} did not answer /health within {timeout:.0f} s")
         time.sleep(1.0)
-    server.stop()
-    raise RunFailed(
-        f"the vLLM server did not answer within {timeout:.0f} s: {server.tail()} (whole log: {log})"
-    )
 
 
 def serve_command(
-    model: Path, port: int, host: str, max_model_len: int, max_lora_rank: int, dtype: str
+    model: Path, port: int, host: str, max_model_len: int, max_lora_rank: int, dtype: str, memory: float = 0.9
 ) -> int:
     """`liger vllm-serve`: the server in the foreground until Ctrl-C (its output on this terminal)."""
     if not (model / "config.json").is_file():
         raise UserError(f"{model}: no config.json there; give a model folder")
-    command = server_command(model, port, host, dtype, max_model_len, max_lora_rank)
+    command = server_command(model, port, host, dtype, max_model_len, max_lora_rank, memory)
     print(
         f"liger vllm-serve: {model} on http://{host}:{port} (rl.vllm.server in a recipe points a run at it)"
     )
@@ -170,7 +178,10 @@ def request(url: str, path: str, payload: dict | None = None, timeout: float = 6
     except urllib.error.HTTPError as err:
         detail = err.read().decode(errors="replace")[:300]
         raise RunFailed(f"the vLLM server at {url} answered {path} with {err.code}: {detail}") from None
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as err:
+    except (urllib.error.URLError, ConnectionError, OSError) as err:
+        if isinstance(err, TimeoutError) or isinstance(getattr(err, "reason", None), TimeoutError):
+            raise RunFailed(f"the vLLM server at {url} did not answer {path} within {timeout:g} s (hung or "
+                            "overloaded; rl.vllm.timeout sets the wait)") from None  # fmt: skip
         raise RunFailed(f"the vLLM server at {url} did not answer {path} ({err}); is it running?") from None
     try:
         return json.loads(body) if body.strip() else {}

@@ -94,6 +94,9 @@ class VllmSection(_Section):
     """The bound on the mean |sampler log-prob - trainer log-prob| of a step's sampled tokens past which
     the run stops, naming a stale engine: default 1e-3 for an fp32 model (a correct update measures about
     1e-5), 5e-2 otherwise."""
+    timeout: float = Field(300.0, gt=0)
+    """Seconds the server may take to answer one request (a whole completion, or loading an update) before
+    the run stops, naming a hung server; also how long a run waits for rl.vllm.server to come up."""
 
     @field_validator("server")
     @classmethod
@@ -328,6 +331,15 @@ def check_vllm(recipe) -> None:
             "rl.engine vllm with training.objective distill: a distillation step takes no trainer log-probs of "
             "the samples, so nothing would prove each update reached the server; use rl.engine transformers"
         )
+
+
+def vllm_server_options(recipe) -> dict:
+    """What a server for this run serves (`liger vllm-serve`'s options): the run's base model, its dtype
+    (auto: float32, as liger loads it), data.max_seq_len positions and adapters up to adapter.r."""
+    lora = recipe.adapter.type != "none"
+    dtype = "float32" if recipe.model.dtype == "auto" else recipe.model.dtype
+    return {"model": Path(recipe.model.path).resolve(), "dtype": dtype, "max_model_len": recipe.data.max_seq_len,
+            "max_lora_rank": recipe.adapter.r if lora else 0}  # fmt: skip
 
 
 def check_distill(recipe) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
 import uuid
 from pathlib import Path
 
@@ -23,10 +24,13 @@ import torch
 
 from liger_cli.errors import RunFailed
 from liger_cli.generate.vllm_engine import FAULTS, VllmEngine, check_served
-from liger_cli.generate.vllm_server import free_port, server_command, server_env, start
+from liger_cli.generate.vllm_server import free_port, server_command, server_env, start, wait_healthy
+from liger_cli.recipe.rl_section import vllm_server_options
 
 FOLDER = ".vllm"
 """In the run's output folder: the server's log and the last pushed policies (removed at the end)."""
+PROBE = "Hello world: 12 + 30 = 42."
+"""The text whose ids the server must tokenize as the run does, and then score as the trainer does."""
 DEFAULT_BOUND = {torch.float32: 1e-3}
 """rl.vllm.max_logp_diff's default by the model's dtype; 5e-2 for the others (not measured: no GPU yet)."""
 
@@ -41,37 +45,46 @@ class VllmPolicy:
         self.folder = recipe.output.dir / FOLDER
         self.adapter = recipe.adapter.type != "none"
         self.server = None
-        url = recipe.rl.vllm.server
+        url, timeout = recipe.rl.vllm.server, recipe.rl.vllm.timeout
         if url is None and self.main:  # the run's own server
             self.folder.mkdir(parents=True, exist_ok=True)
-            m = recipe.model
+            options = vllm_server_options(recipe)
             command = server_command(
-                Path(m.path).resolve(), free_port(), dtype=_dtype(m.dtype), max_model_len=recipe.data.max_seq_len,
-                max_lora_rank=recipe.adapter.r if self.adapter else 0,
-                gpu_memory_utilization=recipe.rl.vllm.gpu_memory_utilization,
-            )  # fmt: skip
+                port=free_port(), gpu_memory_utilization=recipe.rl.vllm.gpu_memory_utilization, **options
+            )
             self.server = start(command, self.folder / "server.log", server_env())
             url = self.server.url
+        elif self.main:  # another's, perhaps still starting on its node (`liger launch --vllm-serve`)
+            wait_healthy(url, timeout)
         tag = f"liger-{uuid.uuid4().hex[:8]}"  # this run's adapter names: another run's are not ours
         if accelerator.num_processes > 1:
             found = [url, tag]
             torch.distributed.broadcast_object_list(found, src=0)
             url, tag = found
-        self.engine, self.tag = VllmEngine(url), tag
-        if self.main:
-            probe = [{"role": "user", "content": "What is 2 + 2?"}] if tokenizer.chat_template else None
-            check_served(self.engine, tokenizer, recipe.data.max_seq_len, "Hello world: 12 + 30 = 42.", probe)
         dtype = next(p for p in model.parameters()).dtype
         self.bound = recipe.rl.vllm.max_logp_diff or DEFAULT_BOUND.get(dtype, 5e-2)
-        self.update(0)
+        try:  # a server refused is left as found (its own stopped, another's without our adapter)
+            self.engine, self.tag = VllmEngine(url, timeout), tag
+            if self.main:
+                probe = [{"role": "user", "content": "What is 2 + 2?"}] if tokenizer.chat_template else None
+                check_served(self.engine, tokenizer, recipe.data.max_seq_len, PROBE, probe)
+            self.update(0)
+            self.check_policy(tokenizer(PROBE, add_special_tokens=False)["input_ids"])
+        except BaseException:
+            self.close()
+            raise
 
     def complete(self, prompts, keys, sampling, stop_ids):
         return self.engine.complete(prompts, keys, sampling, stop_ids)
 
     def update(self, version: int) -> None:
         """Push the trained weights as policy `version` (every process: the gather is collective)."""
-        if os.environ.get(FAULTS) == "kill_server" and version == 2 and self.server is not None:
-            self.server.stop()  # the test hook: the server dies between steps
+        fault = os.environ.get(FAULTS) if version == 2 else None  # the test hooks: between steps 1 and 2,
+        if fault == "kill_server" and self.server is not None:  # the run's own server dies
+            self.server.stop()
+        elif fault == "hang_server":  # or the server hangs: it takes every request and never answers
+            self._hole = socket.create_server(("127.0.0.1", 0))
+            self.engine.url = f"http://127.0.0.1:{self._hole.getsockname()[1]}"
         state = self.backend.full_state_dict(self.model)
         accelerator = self.backend.accelerator
         if self.main:
@@ -89,6 +102,40 @@ class VllmPolicy:
         if self.adapter:  # every process names the new adapter in its requests
             self.engine.policy = f"{self.tag}-{version}"
 
+    def check_policy(self, text_ids: list[int]) -> None:
+        """Before the first step, the served policy is the trainer's: its log-probs of a fixed sequence (a
+        text, the vocabulary's last id, the text again) agree within the bound. Another model with the same
+        tokenizer, or a smaller vocabulary, is refused here (every process raises the same RunFailed)."""
+        vocab = self.backend.accelerator.unwrap_model(self.model).config.vocab_size
+        ids = [*text_ids, vocab - 1, *text_ids]
+        with self.backend.generation(self.model) as (module, _), torch.no_grad():
+            was_training = module.training
+            module.eval()  # no dropout: the policy as it samples
+            device = self.backend.accelerator.device
+            logits = module(input_ids=torch.tensor([ids], device=device)).logits[0, :-1].double().cpu()
+            module.train(was_training)
+        ours = torch.log_softmax(logits, -1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+        error = None
+        if self.main:
+            where = f"the vLLM server at {self.engine.url} (serving {self.engine.base['id']})"
+            try:
+                served = torch.tensor(self.engine.prompt_logprobs(ids), dtype=torch.float64)
+                diff = (served - ours).abs().mean().item()
+                if diff > self.bound:
+                    error = (f"{where} computes other log-probs than the model being trained (mean |diff| "
+                             f"{diff:.3g} over a probe of {len(ids)} tokens, bound {self.bound:g}): serve the "
+                             "run's model")  # fmt: skip
+            except RunFailed as err:
+                if "out of vocabulary" not in str(err):
+                    raise
+                error = (f"{where} has a smaller vocabulary than the model being trained ({vocab} tokens: it "
+                         f"refuses id {vocab - 1}): serve the run's model")  # fmt: skip
+        found = [error]
+        if self.backend.accelerator.num_processes > 1:
+            torch.distributed.broadcast_object_list(found, src=0)
+        if found[0] is not None:
+            raise RunFailed(found[0])
+
     def check_step(self, step: int, stats: dict[str, float]) -> None:
         """A step whose sampled tokens the trainer scores far from the sampler: the engine serves another
         policy (an update lost, the wrong adapter, a stale cache): stop, the last checkpoint kept."""
@@ -102,9 +149,10 @@ class VllmPolicy:
 
     def close(self) -> None:
         """Stop the run's own server; on another's, unload the run's adapter (best effort: it may be down)."""
+        engine = getattr(self, "engine", None)
         if self.server is not None:
             self.server.stop()
-        elif self.main and self.adapter and self.engine.policy != self.engine.base["id"]:
+        elif self.main and self.adapter and engine is not None and engine.policy != engine.base["id"]:
             with contextlib.suppress(RunFailed):
                 self.engine.unload(self.engine.policy)
         if self.main:
@@ -122,8 +170,3 @@ def _save_weights(state: dict, where: Path) -> None:
         tensors["lm_head.weight"] = tensors[embedding].clone()
     where.mkdir(parents=True)
     save_file(tensors, str(where / "model.safetensors"), metadata={"format": "pt"})
-
-
-def _dtype(name: str) -> str:
-    """model.dtype as vLLM's --dtype (auto: float32, as liger loads it)."""
-    return "float32" if name == "auto" else name

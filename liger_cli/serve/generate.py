@@ -167,7 +167,8 @@ def _vllm(target, options: Options, world: int, images: bool, prompt_ids):
     folder = Path(model_folder(target)).resolve()
     rank = json.loads((target.weights / "adapter_config.json").read_text())["r"] if adapter else 0
     length = max(len(ids) for ids in prompt_ids) + options.sampling.max_new_tokens
-    command = server_command(folder, free_port(), max_model_len=length, max_lora_rank=rank)
+    command = server_command(folder, free_port(), dtype=_served_dtype(target, folder), max_model_len=length,
+                             max_lora_rank=rank)  # fmt: skip
     log = Path(tempfile.mkdtemp(prefix="liger-vllm-")) / "server.log"
     server = start(command, log, server_env())
     engine = VllmEngine(server.url)
@@ -175,6 +176,16 @@ def _vllm(target, options: Options, world: int, images: bool, prompt_ids):
     if adapter:
         engine.load_adapter(target.weights, "generate")
     return engine
+
+
+def _served_dtype(target, folder: Path) -> str:
+    """The dtype liger's engine would load the target in: a run's model.dtype (auto: float32), else the
+    model's own config (vLLM's own `auto` would serve an fp32 model in fp16)."""
+    if target.recipe is not None:
+        return "float32" if target.recipe.model.dtype == "auto" else target.recipe.model.dtype
+    config = json.loads((folder / "config.json").read_text())
+    found = str(config.get("dtype") or config.get("torch_dtype") or "float32")
+    return found if found in ("float32", "bfloat16", "float16") else "float32"
 
 
 def render_all(
