@@ -132,7 +132,7 @@ class Trackio(Tracker):
     def finish(self, summary: dict | None) -> None:
         if summary is not None:
             self.table(self.step, "summary", list(summary), [list(summary.values())])
-        self.run.finish()
+        self.trackio.finish()  # the current run (this one), which trackio's exit hook would finish again
 
 
 class WandB(Tracker):
