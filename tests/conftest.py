@@ -57,8 +57,8 @@ SLOW_FILES: dict[str, int] = {
     "test_memory_plan.py": 88,
     "test_bench.py": 78,
     "test_preference_train.py": 74,
-    "test_trackers.py": 55,  # -n 0: 46 s quiet, 71 s loaded; its six runs in one process (trackers' starts included)
     "test_vlm_model.py": 63,
+    "test_trackers.py": 55,  # -n 0: 46 s quiet, 71 s loaded; its six runs in one process (trackers' starts included)
     "test_qlora.py": 51,
     "test_vlm_memory_plan.py": 44,
     "test_agent_train.py": 44,

@@ -108,7 +108,7 @@ class TensorBoard(Tracker):
 
 class Trackio(Tracker):
     """trackio's local store (TRACKIO_DIR) or the Space / server its variables name; resumed by run name.
-    trackio has no summary: the final metrics are a one-row table `summary` at the last step."""
+    trackio has no summary: the final metrics are a one-row table `summary` at the last step logged."""
 
     name = "trackio"
 
@@ -120,7 +120,8 @@ class Trackio(Tracker):
         self.run = trackio.init(project=info.project, name=stored.get("name", info.name), config=config,
                                 resume="allow" if stored else "never", embed=False)  # fmt: skip
         self.state = {"name": self.run.name}
-        self.step = 0
+        self.step: int | None = None
+        """The last step this process logged: the summary's (none when a resume logged nothing new)."""
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log(metrics, step=step)
@@ -130,7 +131,7 @@ class Trackio(Tracker):
         self.run.log({name: self.trackio.Table(columns=columns, data=rows)}, step=step)
 
     def finish(self, summary: dict | None) -> None:
-        if summary is not None:
+        if summary is not None and self.step is not None:
             self.table(self.step, "summary", list(summary), [list(summary.values())])
         self.trackio.finish()  # the current run (this one), which trackio's exit hook would finish again
 
