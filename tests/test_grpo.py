@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from liger_cli.errors import UserError
-from liger_cli.model.objectives.grpo import Grpo, token_logprobs
+from liger_cli.model.objectives.grpo import Grpo
+from liger_cli.model.objectives.online import token_logprobs
 from liger_cli.model.objectives.rewards import RewardError, load_rewards, score
 from liger_cli.recipe.rl_section import RLSection
 

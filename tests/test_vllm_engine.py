@@ -384,11 +384,27 @@ def test_what_the_vllm_engine_cannot_do_is_one_line(tmp_path, sets, message):
     assert message in line, line
 
 
-def test_distillation_on_vllm_is_refused_until_its_updates_can_be_proved():
-    line = one_line_error(
-        liger("train", str(REPO / "recipes" / "distill.yaml"), "--set", "rl.engine=vllm", "--dry-run")
-    )
-    assert "a distillation step takes no trainer log-probs of the samples" in line, line
+@pytest.mark.parametrize("fault", [None, "skip_update"])
+def test_distillation_samples_on_vllm_with_every_update_proved(server, tmp_path, fault):
+    """On-policy distillation on the server: the student scores its sampled tokens as the server did
+    (within 1e-5) at every step; an update that never arrives stops the run at step 2, one line, exit 1."""
+    out = tmp_path / "distill"
+    env = {**os.environ, **({"PYTEST_LIGER_VLLM_FAULT": fault} if fault else {})}
+    sets = ["rl.engine=vllm", f"rl.vllm.server={server}", "training.max_steps=2", "training.eval_every=100",
+            "logging.every=1", f"output.dir={out}"]  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "liger_cli", "train", str(REPO / "recipes" / "distill.yaml"),
+         *(x for s in sets for x in ("--set", s))], capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    if fault is None:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        found = steps(out)
+        assert [m["step"] for m in found] == [1, 2] and all(m["sampler/abs_logp_diff"] < 1e-5 for m in found)
+        return
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    error = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and error[0].startswith("error: stale vLLM engine at step 2:"), proc.stderr[-2000:]
 
 
 def test_without_vllm_installed_the_run_says_how_to_install_it(tmp_path):

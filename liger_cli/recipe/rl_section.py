@@ -326,11 +326,6 @@ def check_vllm(recipe) -> None:
             f"rl.engine vllm with model.quantize {recipe.model.quantize}: the server would sample from the "
             "unquantized base, not the policy being trained; use rl.engine transformers for a 4-bit base"
         )
-    if recipe.training.objective == "distill":
-        raise ValueError(
-            "rl.engine vllm with training.objective distill: a distillation step takes no trainer log-probs of "
-            "the samples, so nothing would prove each update reached the server; use rl.engine transformers"
-        )
 
 
 def vllm_server_options(recipe) -> dict:

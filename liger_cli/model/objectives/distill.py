@@ -31,8 +31,9 @@ import torch
 from torch import nn
 
 from liger_cli.data.encode import IGNORE_INDEX, collate
-from liger_cli.model.objectives.online import Online, shifted
+from liger_cli.model.objectives.online import Online, aligned, shifted, token_logprobs
 from liger_cli.model.objectives.preference import find_causal_lm, kept_flags, loss_function_swapped
+from liger_cli.model.objectives.rollout_stats import mismatch_stats
 
 # What each forward takes from a batch (shift_labels: a sequence-parallel shard's targets)
 NAMES = ("input_ids", "labels", "attention_mask", "position_ids", "shift_labels")
@@ -82,15 +83,33 @@ class Distill(Online):
         sampled = time.perf_counter()
         for batch in micro:
             batch["teacher_hidden"] = self._teacher_hidden(batch)
-        self.step_stats = _length_stats(rows, reduce) | {
-            "time/sampling_s": sampled - start,
-            "time/rollout_s": time.perf_counter() - start,
-        }
+        self.step_stats = _length_stats(rows, reduce)
+        if self.rl.engine == "vllm":  # another engine: each update proved by scoring its samples (docs/rl.md)
+            self.step_stats |= self._mismatch(model, micro, rows, reduce)
+        self.step_stats |= {"time/sampling_s": sampled - start, "time/rollout_s": time.perf_counter() - start}
         self.samples = rows
         return micro
 
     def units(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return batch["completion_mask"].sum()
+
+    def _mismatch(self, model: nn.Module, micro: list[dict], rows: list[dict], reduce) -> dict[str, float]:
+        """The student's log-probs of its sampled tokens (no dropout, no gradient, at the sampling
+        temperature) against the sampler's: GRPO's `sampler/*` figures, which prove each update reached
+        the engine. One more forward per micro-batch, taken only when another engine samples."""
+        device = next(p for p in model.parameters()).device
+        done = 0
+        with torch.no_grad(), kept_flags(model):
+            model.eval()
+            for batch in micro:
+                mine = rows[done : done + len(batch["input_ids"])]
+                done += len(mine)
+                inputs = {k: batch[k].to(device) for k in NAMES if k in batch}
+                batch["old_logp"] = token_logprobs(model, inputs, self.rl.temperature)[0].cpu()
+                batch["sampler_logp"] = aligned(
+                    [r["sampler_logprobs"] for r in mine], [len(r["prompt_ids"]) for r in mine], batch
+                )
+        return mismatch_stats(micro, reduce)
 
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor], num_items: torch.Tensor):
         """The divergence summed over completion tokens / the step's completion tokens; `kl`, the mean

@@ -32,13 +32,8 @@ import torch
 from torch import nn
 
 from liger_cli.data.encode import IGNORE_INDEX, collate
-from liger_cli.model.objectives.online import Online, shifted
-from liger_cli.model.objectives.preference import (
-    find_causal_lm,
-    kept_flags,
-    loss_function_swapped,
-    reference_mode,
-)
+from liger_cli.model.objectives.online import Online, aligned, shifted, token_logprobs
+from liger_cli.model.objectives.preference import kept_flags, reference_mode
 from liger_cli.model.objectives.rewards import Reward, score
 from liger_cli.model.objectives.rollout_stats import rollout_stats
 
@@ -211,7 +206,7 @@ class Grpo(Online):
                 segments.append(seg)
         batch = collate(features, sample.tokenizer.pad_token_id)
         batch["completion_mask"] = shifted(batch["labels"]) != IGNORE_INDEX
-        batch["sampler_logp"] = _aligned(
+        batch["sampler_logp"] = aligned(
             [s.logprobs for s in segments], [len(s.prompt_ids) for s in segments], batch
         )
         batch["rewards"] = torch.tensor(totals, dtype=torch.float32)
@@ -302,31 +297,6 @@ class Grpo(Online):
         ]
 
 
-def token_logprobs(model: nn.Module, batch: dict, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per position t, the log-prob of token t + 1 at `temperature` and whether it is a completion token,
-    through the model's own forward with its loss_function swapped for the call (fused when our loss
-    kernel is patched in)."""
-    from liger_kernels import token_logprobs_loss
-
-    causal_lm = find_causal_lm(model)
-    names = (
-        "input_ids",
-        "labels",
-        "attention_mask",
-        "position_ids",
-        "shift_labels",
-    )  # shift_labels: a split's
-    with loss_function_swapped(causal_lm, token_logprobs_loss(temperature)):
-        output = model(**{k: batch[k] for k in names if k in batch})
-    stacked = output.loss
-    if stacked is None or stacked.dim() != 3 or stacked.shape[1:] != batch["input_ids"].shape:
-        raise RuntimeError(
-            f"{type(causal_lm).__name__}.forward changed what its loss_function returned: grpo needs the "
-            "per-token log-probabilities untouched"
-        )
-    return stacked[0], stacked[1] > 0
-
-
 @torch.no_grad()
 def swap_in_place(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
     """Exchange the values of each pair in place (the storage stays where the backend put it; one
@@ -335,11 +305,3 @@ def swap_in_place(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
         scratch = x.detach().clone()
         x.copy_(y)
         y.copy_(scratch)
-
-
-def _aligned(values: list[list[float]], prompt_lengths: list[int], batch: dict) -> torch.Tensor:
-    """Per-token values of the completions at the positions that predict them (t predicts t + 1)."""
-    out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
-    for row, (v, n) in enumerate(zip(values, prompt_lengths, strict=True)):
-        out[row, n - 1 : n - 1 + len(v)] = torch.tensor(v, dtype=torch.float32)
-    return out

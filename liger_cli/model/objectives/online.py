@@ -13,8 +13,10 @@ from __future__ import annotations
 import json
 
 import torch
+from torch import nn
 
 from liger_cli.data.encode import IGNORE_INDEX, collate
+from liger_cli.model.objectives.preference import find_causal_lm, loss_function_swapped
 
 ROLLOUTS_FILE = "rollouts.jsonl"
 """Every sampled trajectory of the run, one JSON row each (written by the main process)."""
@@ -79,3 +81,36 @@ class Online:
 def shifted(labels: torch.Tensor) -> torch.Tensor:
     """Labels moved one position left: position t holds the label of token t + 1 (what t predicts)."""
     return torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def token_logprobs(model: nn.Module, batch: dict, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per position t, the log-prob of token t + 1 at `temperature` and whether it is a completion token,
+    through the model's own forward with its loss_function swapped for the call (fused when our loss
+    kernel is patched in)."""
+    from liger_kernels import token_logprobs_loss
+
+    causal_lm = find_causal_lm(model)
+    names = (
+        "input_ids",
+        "labels",
+        "attention_mask",
+        "position_ids",
+        "shift_labels",
+    )  # shift_labels: a split's
+    with loss_function_swapped(causal_lm, token_logprobs_loss(temperature)):
+        output = model(**{k: batch[k] for k in names if k in batch})
+    stacked = output.loss
+    if stacked is None or stacked.dim() != 3 or stacked.shape[1:] != batch["input_ids"].shape:
+        raise RuntimeError(
+            f"{type(causal_lm).__name__}.forward changed what its loss_function returned: online objectives need the "
+            "per-token log-probabilities untouched"
+        )
+    return stacked[0], stacked[1] > 0
+
+
+def aligned(values: list[list[float]], prompt_lengths: list[int], batch: dict) -> torch.Tensor:
+    """Per-token values of the completions at the positions that predict them (t predicts t + 1)."""
+    out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
+    for row, (v, n) in enumerate(zip(values, prompt_lengths, strict=True)):
+        out[row, n - 1 : n - 1 + len(v)] = torch.tensor(v, dtype=torch.float32)
+    return out
