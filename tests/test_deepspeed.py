@@ -53,6 +53,10 @@ def objectives(files: dict) -> dict[str, dict]:
             "reward": reward(files)}  # fmt: skip
 
 
+TRACKED = "deepspeed-lora"
+"""The ZeRO-3 LoRA case's trackio project (the session's tracker store)."""
+
+
 def launch_part(root: Path) -> tuple[list[dict], dict]:
     """This file's cases of the shared 2-process launch (tests/conftest.py `two_process_launch`): the
     CASES, DPO with full fine-tuning, then the loading check. Returns the outputs, the LoRA case's
@@ -66,7 +70,8 @@ def launch_part(root: Path) -> tuple[list[dict], dict]:
         name: write_recipe(files, outs[name], "deepspeed", adapter, ac, distributed__zero_stage=stage)
         for name, (adapter, ac, stage) in CASES.items()
     }
-    recipes["lora"] = write_recipe(files, outs["lora"], "deepspeed", output__save_every=2)  # resumed below
+    recipes["lora"] = write_recipe(files, outs["lora"], "deepspeed", output__save_every=2,  # resumed below
+                                   logging__report_to=["trackio"], logging__project=TRACKED)  # fmt: skip
     for name, over in objectives(files).items():
         recipes[name] = write_recipe(files, outs[name], "deepspeed", **over)
     # DeepSpeed would compile a CPU communication op here on first use (~95 s): it must not build anything.
@@ -122,6 +127,13 @@ def test_deepspeed_with_one_cpu_process_trains_plainly(runs) -> None:
     assert "sharding: single process" in runs["one-process-stdout"]
     assert losses(runs["one-process"]) == pytest.approx(losses(runs["ref-full"]), abs=1e-5, rel=0)
     assert grad_norms(runs["one-process"]) == pytest.approx(grad_norms(runs["ref-full"]), rel=1e-5)
+
+
+def test_zero3_makes_one_tracker_run(runs) -> None:
+    """The ZeRO-3 LoRA case reports to trackio: one run, every value of its metrics.jsonl at its step, once."""
+    from test_trackers import assert_one_run_each
+
+    assert_one_run_each(runs["lora"], TRACKED, ["trackio"])
 
 
 @pytest.mark.timeout(900)

@@ -249,8 +249,9 @@ def backend_cases(assets: dict, folder: Path, backend: str) -> tuple[list[dict],
         if backend == "fsdp2" and name == "lora-ac":
             env = {"FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer,"}
         save = {"output__save_every": 2} if name == "lora" else {}
-        if backend == "ddp" and name == "lora":  # rank 0 alone opens the trackers: one run each (test below)
-            save |= {"logging__report_to": TRACKED, "logging__project": tracked_project(folder)}
+        if name == "lora":  # rank 0 alone opens the trackers: one run each (test below)
+            tracked = TRACKED if backend == "ddp" else ["trackio"]
+            save |= {"logging__report_to": tracked, "logging__project": tracked_project(folder)}
         cases.append(
             {"recipe": str(write_recipe(assets, outs[name], backend, adapter, ac, **save)), "env": env}
         )
@@ -283,8 +284,9 @@ TRACKED = ["trackio", "wandb", "mlflow"]
 
 
 def tracked_project(folder: Path) -> str:
-    """The DDP LoRA case's tracker project: the session's launch folder names it (the stores are the session's)."""
-    return f"ddp-lora-{folder.parents[1].name}"
+    """A LoRA case's tracker project: its backend and the session's launch folder name it (the stores are the
+    session's)."""
+    return f"{folder.name}-lora-{folder.parents[1].name}"
 
 
 def launch_part(root: Path) -> tuple[list[dict], dict]:
@@ -315,15 +317,18 @@ def backend_runs(two_process_launch) -> dict[str, dict]:
 
 
 @pytest.mark.timeout(1200)
-def test_two_processes_make_one_tracker_run(backend_runs) -> None:
-    """The DDP LoRA case reports to trackio, W&B and MLflow: exactly one run in each, holding every value
-    of its metrics.jsonl (both ranks' steps, reduced) at its step, once (tests/test_trackers.py)."""
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_two_processes_make_one_tracker_run(backend: str, backend_runs) -> None:
+    """Each backend's LoRA case reports to trackers (DDP: trackio, W&B and MLflow; FSDP-1, FSDP-2: trackio):
+    exactly one run in each, holding every value of its metrics.jsonl (both ranks' steps, reduced) at its
+    step, once (tests/test_trackers.py)."""
     from test_trackers import assert_one_run_each
 
-    run = backend_runs["ddp"]
+    run = backend_runs[backend]
     out = run["outs"]["lora"]
-    assert_one_run_each(out, tracked_project(run["folder"]), TRACKED)
-    assert set(json.loads((out / "trackers.json").read_text())) == {*TRACKED, "logged"}
+    tracked = TRACKED if backend == "ddp" else ["trackio"]
+    assert_one_run_each(out, tracked_project(run["folder"]), tracked)
+    assert set(json.loads((out / "trackers.json").read_text())) == {*tracked, "logged"}
 
 
 @pytest.mark.timeout(1200)
@@ -510,10 +515,15 @@ def test_two_machines_and_each_launcher_give_the_same_run(
     launch's 2-process FSDP-2 run and as 1 process, metrics and checkpoints written once (by global rank
     0, into the folder both machines see). Their step-2 checkpoint then resumed on one machine through
     `torchrun -m liger_cli` and through `accelerate launch -m liger_cli`: the same steps 3-4 and adapter."""
+    from test_trackers import assert_one_run_each
+
     out = tmp_path / "two-machines"
-    recipe = write_recipe(assets, out, "fsdp2", output__save_every=2)
+    project = f"two-machines-{tmp_path.name}"  # one trackio run for the job, from global rank 0
+    recipe = write_recipe(assets, out, "fsdp2", output__save_every=2, logging__report_to=["trackio"],
+                          logging__project=project)  # fmt: skip
     for machine in two_machines(recipe, free_port()):
         assert machine.returncode == 0, machine.stdout[-3000:]
+    assert_one_run_each(out, project, ["trackio"])
     assert_same_run(out, backend_runs["fsdp2"]["outs"]["lora"])
     assert_same_run(out, references["lora"])
     assert "2 on 2 machine(s)" in (out / "plan.txt").read_text()
