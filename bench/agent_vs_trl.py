@@ -7,6 +7,7 @@ TRL lives in its own venv, never the project's (see bench/dpo_vs_trl.py for why)
         .venv-trl/bin/pip install -c constraints.txt -e . trl==1.16.0
 
     .venv/bin/python bench/agent_vs_trl.py           # 4 prompts x 8 trajectories, 1 warm-up + 2 measured steps
+    .venv/bin/python bench/agent_vs_trl.py --vllm    # and liger sampling on vLLM (`rl.engine: vllm`)
 
 The task is the recipe's: "What is the code for 417?" over a made-up table only the tool knows.
 The same on every side:
@@ -64,6 +65,18 @@ the end of the step before to the end of its optimizer step), the part of it spe
 which includes rendering the tool results, less the time inside the tool), the time inside the tool
 calls (liger: `time/tools_s`, the wall time of the threaded calls; TRL: the time inside `lookup`),
 and the peak RSS growth over the RSS right before training.
+
+--vllm adds the variant "vllm", "liger, kernels on, vLLM engine": the kernels-on variant with
+`rl.engine: vllm` (the recipe's top-p 1 and no top-k, which that engine requires) and its own server,
+started by the run (`.venv-vllm`; docs/rl.md "Sampling on vLLM"); every model turn is a request to
+the server, the tool calls and the ids between turns stay liger's. Its peak memory is the training
+process's only: the server runs in processes of its own (about 3 GiB more on a CPU, its 1 GiB KV
+cache included). Its step time includes the weight push after every optimizer step (the LoRA adapter
+saved, and loaded by the server under a new name); the server's start (once per run, 20-60 s on 2
+cores) comes before the first step, outside the measured steps. TRL's own vLLM path (`use_vllm=True`)
+is not run here: vLLM's CPU build pins transformers below 5.20 in its own venv, and TRL needs vLLM in
+its own process (colocate) or `trl vllm-serve` run in that venv; that comparison is prepared for a
+lent GPU, not run here.
 """
 
 from __future__ import annotations
@@ -79,7 +92,9 @@ REPO = Path(__file__).resolve().parent.parent
 AGENT = REPO / "recipes/agent"
 RECIPE = REPO / "recipes/agent.yaml"
 VARIANTS = ("trl", "kernels_on", "kernels_off")
-NAMES = {"trl": "TRL GRPOTrainer", "kernels_on": "liger, kernels on", "kernels_off": "liger, kernels off"}
+"""The default --variants; "vllm" (--vllm) is liger, kernels on, sampling on vLLM."""
+NAMES = {"trl": "TRL GRPOTrainer", "kernels_on": "liger, kernels on", "kernels_off": "liger, kernels off",
+         "vllm": "liger, kernels on, vLLM engine"}  # fmt: skip
 PROMPT_TOKENS = 100
 """Every train prompt renders to 100 ids with the tool's schema (checked); TRL's limit counts after it."""
 
@@ -114,7 +129,9 @@ def recipe() -> dict:
     }  # fmt: skip
 
 
-def liger_variant(name: str, shipped: dict, out: Path, args) -> dict:
+def liger_variant(name: str, shipped: dict, out: Path, args, **rl) -> dict:
+    """liger's variant NAME ("kernels_on", "kernels_off", or another name: kernels on), RL's keys over
+    the recipe's rl section."""
     import yaml
     from trl_measure import run_liger  # bench/ is on sys.path (main)
 
@@ -129,7 +146,7 @@ def liger_variant(name: str, shipped: dict, out: Path, args) -> dict:
         "rl": {"tools": [f"{AGENT / 'tools.py'}:lookup"], "max_turns": shipped["max_turns"],
                "max_new_tokens": shipped["max_new_tokens"], "num_generations": shipped["G"],
                "temperature": shipped["temperature"], "loss": shipped["loss"], "beta": 0.0,
-               "rewards": [{"function": f"{AGENT / 'rewards.py'}:correct"}]},
+               "rewards": [{"function": f"{AGENT / 'rewards.py'}:correct"}], **rl},
         "distributed": {"activation_checkpointing": "off"},
         "output": {"dir": str(out / "liger-run"), "overwrite": True},
         "logging": {"every": 1, "tensorboard": False},
@@ -313,8 +330,9 @@ def main() -> int:
     parser.add_argument("--trl-worker", metavar="RESULT")
     parser.add_argument("--trl-python", type=Path, default=REPO / ".venv-trl/bin/python")
     parser.add_argument(
-        "--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}"
+        "--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(NAMES)}"
     )
+    parser.add_argument("--vllm", action="store_true", help="also liger, kernels on, sampling on vLLM")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument(
@@ -324,13 +342,17 @@ def main() -> int:
     args = parser.parse_args()
     if args.trl_worker:
         return trl_worker(args.trl_worker, args)
-    variants = chosen_variants(parser, args, VARIANTS)
+    variants = chosen_variants(parser, args, tuple(NAMES))
+    if args.vllm and "vllm" not in variants:
+        variants.append("vllm")
     args.out.mkdir(parents=True, exist_ok=True)
     shipped = recipe()
     found = {}
     for variant in variants:
         if variant == "trl":
             found[variant] = trl_variant(shipped, args.out, args)
+        elif variant == "vllm":
+            found[variant] = liger_variant(variant, shipped, args.out, args, engine="vllm")
         else:
             found[variant] = liger_variant(variant, shipped, args.out, args)
     checked = None
@@ -361,6 +383,10 @@ def main() -> int:
     for variant, r in found.items():
         print(f"| {NAMES[variant]} | {r['sampled_tokens']:.1f} | {r['tool_calls']:.2f} | {r['turns']:.2f} | "
               f"{r['reward']:.2f} |")  # fmt: skip
+    if "vllm" in found:
+        from trl_measure import VLLM_NOTE
+
+        print(VLLM_NOTE)
     return 0
 
 

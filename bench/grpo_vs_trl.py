@@ -8,6 +8,7 @@ TRL lives in its own venv, never the project's (see bench/dpo_vs_trl.py for why)
 
     .venv/bin/python bench/grpo_vs_trl.py                     # 4 prompts x 8 completions x 64 tokens, 1 + 3 steps
     .venv/bin/python bench/grpo_vs_trl.py --loss gspo         # the same with GSPO on both sides (or cispo)
+    .venv/bin/python bench/grpo_vs_trl.py --vllm              # and liger sampling on vLLM (`rl.engine: vllm`)
 
 The same on every side: the weights (`recipes/bench/llama-8x512.json`: 8 layers, hidden 512, vocab
 32000; random init, seed 0, saved once to a folder every run loads), the quickstart tokenizer, the
@@ -28,6 +29,17 @@ kernel off (both through `liger bench`'s worker). Measured after --warmup steps:
 the end of the step before to the end of its optimizer step), the part of it spent generating
 (TRL: its `_generate`; liger: `time/sampling_s`, sampling and scoring), and the peak RSS growth over
 the RSS right before training.
+
+--vllm adds "liger, kernels on, vLLM engine": the kernels-on variant with `rl.engine: vllm` (liger's
+default top-p 1 and no top-k, which that engine requires) and its own server, started by the run
+(`.venv-vllm`; docs/rl.md "Sampling on vLLM"). Its peak memory is the training process's only: the
+server runs in processes of its own (about 3 GiB more on a CPU, its 1 GiB KV cache included; 3.1 GiB
+measured on this model). Its step time includes the weight push after every optimizer step (the LoRA
+adapter saved, and loaded by the server under a new name); the server's start (once per run, 20-60 s
+on 2 cores) comes before the first step, outside the measured steps. TRL's own vLLM path
+(`use_vllm=True`) is not run here: vLLM's CPU build pins transformers below 5.20 in its own venv, and
+TRL needs vLLM in its own process (colocate) or `trl vllm-serve` run in that venv; that comparison is
+prepared for a lent GPU, not run here.
 """
 
 from __future__ import annotations
@@ -85,13 +97,15 @@ def prompt_recipe(model_dir: Path, prompts: Path, objective: str, args) -> dict:
     }  # fmt: skip
 
 
-def liger_variant(name: str, model_dir: Path, prompts: Path, reward: Path, out: Path, args) -> dict:
+def liger_variant(name: str, model_dir: Path, prompts: Path, reward: Path, out: Path, args, **rl) -> dict:
+    """liger's variant NAME ("kernels_on", "kernels_off", or another name: kernels on), RL's keys over
+    the shared rl section."""
     from trl_measure import run_liger_online  # bench/ is on sys.path (main)
 
     figures = run_liger_online({
         **prompt_recipe(model_dir, prompts, "grpo", args),
         "rl": {"num_generations": 8, "max_new_tokens": args.new_tokens, "temperature": 1.0, **LOSSES[args.loss][0],
-               "beta": 0.0, "rewards": [{"function": f"{reward}:length_reward"}]},
+               "beta": 0.0, "rewards": [{"function": f"{reward}:length_reward"}], **rl},
     }, name, out, args.steps, args.warmup)  # fmt: skip
     return {k: figures[k] for k in ("step_time_s", "peak_mem_mb", "generation_s")}
 
@@ -172,6 +186,7 @@ def main() -> int:
     parser.add_argument(
         "--loss", choices=list(LOSSES), default="dapo", help="the loss, the same on each side"
     )
+    parser.add_argument("--vllm", action="store_true", help="also liger, kernels on, sampling on vLLM")
     parser.add_argument("--out", type=Path, default=REPO / "bench/results/grpo_vs_trl")
     args = parser.parse_args()
     if args.trl_worker:
@@ -181,6 +196,10 @@ def main() -> int:
     found = {"TRL GRPOTrainer": trl_variant(model_dir, prompts, reward, args.out, args)}
     found["liger, kernels on"] = liger_variant("kernels_on", model_dir, prompts, reward, args.out, args)
     found["liger, kernels off"] = liger_variant("kernels_off", model_dir, prompts, reward, args.out, args)
+    if args.vllm:
+        found["liger, kernels on, vLLM engine"] = liger_variant(
+            "vllm", model_dir, prompts, reward, args.out, args, engine="vllm"
+        )
     (args.out / f"grpo_vs_trl-{args.loss}.json").write_text(json.dumps(found, indent=2))
     trl = found["TRL GRPOTrainer"]
     print(f"\nloss {args.loss}; {args.prompts} prompts x 8 completions x {args.new_tokens} new tokens; {args.warmup} warm-up + "
@@ -190,6 +209,10 @@ def main() -> int:
     for name, r in found.items():
         print(f"| {name} | {r['step_time_s']:.2f} | {r['generation_s']:.2f} | {r['peak_mem_mb']:.0f} MiB | "
               f"{r['step_time_s'] / trl['step_time_s']:.2f}x | {r['peak_mem_mb'] / trl['peak_mem_mb']:.2f}x |")  # fmt: skip
+    if args.vllm:
+        from trl_measure import VLLM_NOTE
+
+        print(VLLM_NOTE)
     return 0
 
 

@@ -28,6 +28,12 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+VLLM_NOTE = (
+    "\nvLLM engine: peak memory is the training process's only (its server, processes of its own, holds "
+    "about 3 GiB more on a CPU); the step time includes the weight push after each step (the LoRA "
+    "adapter saved and loaded by the server), not the server's start (once per run, before the first step)."
+)
+"""Printed under a table with liger's `rl.engine: vllm` variant (grpo_vs_trl, agent_vs_trl --vllm)."""
 
 
 def chosen_variants(parser, args, known: tuple[str, ...]) -> list[str]:
