@@ -376,6 +376,7 @@ def test_full_finetuning_reloads_the_served_weights(tmp_path, fault):
         (["rl.top_p=0.9"], "rl.engine vllm reports log-probs renormalised over the tokens top_p/top_k keep"),
         (["rl.vllm.server=localhost:8000"], "give the server's URL, e.g. http://10.0.0.2:8000"),
         (["model.quantize=nf4"], "the server would sample from the unquantized base"),
+        (["adapter.type=dora"], "vLLM serves LoRA adapters only (no DoRA magnitudes)"),
     ],
 )
 def test_what_the_vllm_engine_cannot_do_is_one_line(tmp_path, sets, message):

@@ -326,6 +326,11 @@ def check_vllm(recipe) -> None:
             f"rl.engine vllm with model.quantize {recipe.model.quantize}: the server would sample from the "
             "unquantized base, not the policy being trained; use rl.engine transformers for a 4-bit base"
         )
+    if recipe.adapter.type == "dora":
+        raise ValueError(
+            "rl.engine vllm with adapter.type dora: vLLM serves LoRA adapters only (no DoRA magnitudes), so it "
+            "would sample from another policy; use adapter.type lora, or rl.engine transformers"
+        )
 
 
 def vllm_server_options(recipe) -> dict:
