@@ -53,6 +53,8 @@ def run_liger(recipe: Path, name: str, out: Path, steps: int, warmup: int) -> tu
     process, WARMUP steps then STEPS measured, output in OUT/NAME. Returns the figures (step time, each
     step's, peak memory over the worker's baseline, first-step loss, tokens a step, wall time, log) and
     the measured steps' metrics rows; the figures are {"error", "log"} where the worker failed."""
+    import torch
+
     from liger_cli.bench.compare import run_variant, variant_overrides
     from liger_cli.bench.report import read_metrics, summarize
 
@@ -60,7 +62,8 @@ def run_liger(recipe: Path, name: str, out: Path, steps: int, warmup: int) -> tu
     if worker["exit_code"] != 0:
         return {"error": f"exit {worker['exit_code']}", "log": worker["log"]}, []
     metrics = out / name / "metrics.jsonl"
-    result = summarize(name, [], metrics, warmup, worker["baseline_mb"], worker["wall_s"])
+    baseline = 0.0 if torch.cuda.is_available() else worker["baseline_mb"]  # a GPU's peak: the allocator's
+    result = summarize(name, [], metrics, warmup, baseline, worker["wall_s"])
     _, measured = read_metrics(metrics, warmup)
     figures = {
         "step_time_s": result.step_time_s,
@@ -80,7 +83,8 @@ def run_liger_online(recipe: dict, name: str, out: Path, steps: int, warmup: int
     """An online objective's RECIPE (model, adapter, data, training and its own sections), completed with
     what every bench run of one shares (no activation checkpointing, output in OUT/liger-run, logging
     every step), written to OUT/liger.yaml and run as `run_liger` runs variant NAME. Returns its figures
-    with `generation_s`, the measured steps' mean `time/sampling_s`; exits naming the log where it failed."""
+    with `generation_s`, the measured steps' mean `time/sampling_s`, and `measured`, their metrics rows;
+    exits naming the log where it failed."""
     import yaml
 
     path = out / "liger.yaml"
@@ -90,16 +94,19 @@ def run_liger_online(recipe: dict, name: str, out: Path, steps: int, warmup: int
     figures, measured = run_liger(path, name, out, steps, warmup)
     if "error" in figures:
         raise SystemExit(f"liger {name} failed: see {figures['log']}")
-    return {**figures, "generation_s": sum(m["time/sampling_s"] for m in measured) / len(measured)}
+    generation = sum(m["time/sampling_s"] for m in measured) / len(measured)
+    return {**figures, "generation_s": generation, "measured": measured}
 
 
-def run_trl(trl_python: Path, script: str, worker_argv: list[str], result: Path, out: Path) -> dict:
+def run_trl(
+    trl_python: Path, script: str, worker_argv: list[str], result: Path, out: Path, gpu: bool = False
+) -> dict:
     """`TRL_PYTHON SCRIPT WORKER_ARGV` (the script's own TRL worker, which writes its figures to RESULT)
-    in a fresh process on the CPU, its output in OUT/trl.log. Returns what it wrote, with the wall time
-    and the log; {"error", "log"} where it failed."""
+    in a fresh process on the CPU (GPU: where it may see the GPUs), its output in OUT/trl.log. Returns
+    what it wrote, with the wall time and the log; {"error", "log"} where it failed."""
     log = out / "trl.log"
     result.unlink(missing_ok=True)
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TRL_EXPERIMENTAL_SILENCE": "1"}
+    env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1", **({} if gpu else {"CUDA_VISIBLE_DEVICES": ""})}
     start = time.perf_counter()
     with log.open("w") as f:
         argv = [str(trl_python), str(Path(script).resolve()), *worker_argv]
@@ -129,7 +136,9 @@ def start() -> float:
 
 
 def step_clock():
-    """A TrainerCallback that records each step's time and the process's peak RSS at its end."""
+    """A TrainerCallback that records each step's time and the process's peak memory at its end: its peak
+    RSS, or where the process uses CUDA the allocator's peak (torch.cuda.max_memory_allocated)."""
+    import torch
     from transformers import TrainerCallback
 
     class StepClock(TrainerCallback):
@@ -141,7 +150,10 @@ def step_clock():
 
         def on_step_end(self, _args, state, *_, **__):
             now = time.perf_counter()
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            if torch.cuda.is_initialized():
+                peak = torch.cuda.max_memory_allocated() / 2**20
+            else:
+                peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             self.steps.append(
                 {"step": state.global_step, "step_time_s": now - self.last, "peak_mem_mb": peak}
             )
