@@ -43,6 +43,34 @@ def test_each_machine_gets_its_command_and_its_recipe_loads_as_that_machine() ->
         assert (d.main_process_ip, d.main_process_port) == ("10.1.2.3", 29611)
 
 
+def run_with_stand_ins(script: Path, tmp_path: Path) -> list[list[str]]:
+    """The Slurm script run under bash with stand-ins: scontrol names three nodes (the third after a pause:
+    a reader that stops at the first line would make it die of SIGPIPE); srun runs its command on the
+    nodes --nodes and --relative name, SLURM_NODEID set; liger records its node and the argv it was given.
+    Returns each recorded [node, "liger", ...]."""
+    shims, capture = tmp_path / "bin", tmp_path / "argv.jsonl"
+    shims.mkdir()
+    (shims / "scontrol").write_text(
+        "#!/bin/bash\nprintf 'node-a\\nnode-b\\n'\nsleep 0.2\nprintf 'node-c\\n'\n"
+    )
+    (shims / "srun").write_text(
+        "#!/bin/bash\nnodes=1; first=0\n"
+        'while [[ "$1" == --* ]]; do case "$1" in --nodes=*) nodes=${1#--nodes=};; '
+        "--relative=*) first=${1#--relative=};; esac; shift; done\n"
+        'for ((id = first; id < first + nodes; id++)); do SLURM_NODEID=$id "$@" || exit $?; done\n'
+    )
+    (shims / "liger").write_text(
+        f"#!{sys.executable}\nimport json, os, sys\n"
+        f"open({str(capture)!r}, 'a').write(json.dumps([os.environ['SLURM_NODEID'], 'liger', *sys.argv[1:]]) + '\\n')\n"
+    )
+    for shim in shims.iterdir():
+        shim.chmod(0o755)
+    env = {**os.environ, "PATH": f"{shims}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node-[a-c]"}
+    ran = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 0, ran.stderr
+    return [json.loads(line) for line in capture.read_text().splitlines()]
+
+
 def test_the_slurm_script_runs_the_same_commands_on_each_node(tmp_path: Path) -> None:
     script = tmp_path / "job.sh"
     args = ["launch", str(RECIPE), "--nodes", "2", "--procs", "4", *(x for s in MINE for x in ("--set", s))]
@@ -50,28 +78,7 @@ def test_the_slurm_script_runs_the_same_commands_on_each_node(tmp_path: Path) ->
     assert proc.returncode == 0 and proc.stdout.strip() == f"wrote {script}", proc.stderr
     assert os.access(script, os.X_OK) and "#SBATCH --nodes=2" in script.read_text()
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
-    # Stand-ins: scontrol names two nodes; srun runs its command once per node with SLURM_NODEID set;
-    # liger records the argv it was given.
-    shims, capture = tmp_path / "bin", tmp_path / "argv.jsonl"
-    shims.mkdir()
-    # (a third name after a pause: a reader that stops at the first line would make it die of SIGPIPE)
-    (shims / "scontrol").write_text(
-        "#!/bin/bash\nprintf 'node-a\\nnode-b\\n'\nsleep 0.2\nprintf 'node-c\\n'\n"
-    )
-    (shims / "srun").write_text(
-        '#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\n'
-        'for id in 0 1; do SLURM_NODEID=$id "$@" || exit $?; done\n'
-    )
-    (shims / "liger").write_text(
-        f"#!{sys.executable}\nimport json, sys\n"
-        f"open({str(capture)!r}, 'a').write(json.dumps(['liger', *sys.argv[1:]]) + '\\n')\n"
-    )
-    for shim in shims.iterdir():
-        shim.chmod(0o755)
-    env = {**os.environ, "PATH": f"{shims}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node-[a-b]"}
-    ran = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
-    assert ran.returncode == 0, ran.stderr
-    got = [json.loads(line) for line in capture.read_text().splitlines()]
+    got = [argv for _, *argv in run_with_stand_ins(script, tmp_path)]
     printed = invoke(*args, "--main-ip", "node-a")
     assert printed.returncode == 0, printed.stderr
     want = commands(printed.stdout)
@@ -138,25 +145,7 @@ def test_a_serving_node_runs_vllm_and_the_trainers_are_pointed_at_it(tmp_path: P
     script = tmp_path / "job.sh"
     assert invoke(*args, "--slurm", "--out", str(script)).returncode == 0
     assert "#SBATCH --nodes=3" in script.read_text()
-    shims, capture = tmp_path / "bin", tmp_path / "argv.jsonl"
-    shims.mkdir()
-    (shims / "scontrol").write_text("#!/bin/bash\nprintf 'node-a\\nnode-b\\nnode-c\\n'\n")
-    (shims / "srun").write_text(
-        "#!/bin/bash\nnodes=1; first=0\n"
-        'while [[ "$1" == --* ]]; do case "$1" in --nodes=*) nodes=${1#--nodes=};; '
-        "--relative=*) first=${1#--relative=};; esac; shift; done\n"
-        'for ((id = first; id < first + nodes; id++)); do SLURM_NODEID=$id "$@" || exit $?; done\n'
-    )
-    (shims / "liger").write_text(
-        f"#!{sys.executable}\nimport json, os, sys\n"
-        f"open({str(capture)!r}, 'a').write(json.dumps([os.environ['SLURM_NODEID'], 'liger', *sys.argv[1:]]) + '\\n')\n"
-    )
-    for shim in shims.iterdir():
-        shim.chmod(0o755)
-    env = {**os.environ, "PATH": f"{shims}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node-[a-c]"}
-    ran = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
-    assert ran.returncode == 0, ran.stderr
-    got = {tuple(json.loads(line)) for line in capture.read_text().splitlines()}
+    got = {tuple(argv) for argv in run_with_stand_ins(script, tmp_path)}
     host = serve.index("--host") + 1
     assert ("2", *serve[:host], "0.0.0.0", *serve[host + 1 :]) in got  # the last node serves
     trained = sorted((node, load_recipe(grpo, list(argv[4::2]))) for node, *argv in got if argv[1] == "train")

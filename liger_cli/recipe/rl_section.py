@@ -333,12 +333,16 @@ def check_vllm(recipe) -> None:
         )
 
 
+def served_dtype(recipe) -> str:
+    """The dtype a vLLM server of the run's model serves: model.dtype as liger loads it (auto: float32)."""
+    return "float32" if recipe.model.dtype == "auto" else recipe.model.dtype
+
+
 def vllm_server_options(recipe) -> dict:
     """What a server for this run serves (`liger vllm-serve`'s options): the run's base model, its dtype
     (auto: float32, as liger loads it), data.max_seq_len positions and adapters up to adapter.r."""
     lora = recipe.adapter.type != "none"
-    dtype = "float32" if recipe.model.dtype == "auto" else recipe.model.dtype
-    return {"model": Path(recipe.model.path).resolve(), "dtype": dtype, "max_model_len": recipe.data.max_seq_len,
+    return {"model": Path(recipe.model.path).resolve(), "dtype": served_dtype(recipe), "max_model_len": recipe.data.max_seq_len,
             "max_lora_rank": recipe.adapter.r if lora else 0}  # fmt: skip
 
 

@@ -182,7 +182,9 @@ def _served_dtype(target, folder: Path) -> str:
     """The dtype liger's engine would load the target in: a run's model.dtype (auto: float32), else the
     model's own config (vLLM's own `auto` would serve an fp32 model in fp16)."""
     if target.recipe is not None:
-        return "float32" if target.recipe.model.dtype == "auto" else target.recipe.model.dtype
+        from liger_cli.recipe.rl_section import served_dtype
+
+        return served_dtype(target.recipe)
     config = json.loads((folder / "config.json").read_text())
     found = str(config.get("dtype") or config.get("torch_dtype") or "float32")
     return found if found in ("float32", "bfloat16", "float16") else "float32"
