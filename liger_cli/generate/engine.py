@@ -67,6 +67,8 @@ class Completion:
     """Each token's log-probability under the distribution it was sampled from."""
     full_logprobs: list[float] = field(default_factory=list)
     """Each token's log-probability under the whole vocabulary at the sampling temperature."""
+    version: int | None = None
+    """The policy version that sampled it (optimizer steps taken), where a training run's engine says."""
 
 
 def sequence_seed(seed: int, key: object) -> int:

@@ -67,6 +67,8 @@ class Trajectory:
     tool_crashes: int = 0
     finish_reason: str | None = None
     """None while running; then stop, max_turns or length."""
+    versions: list = field(default_factory=list)
+    """Each model turn's policy version (what its Completion says; rl.max_staleness)."""
 
     @property
     def context(self) -> list[int]:
@@ -183,6 +185,7 @@ def run_episodes(
             ids, logprobs = c.ids[:budget], c.full_logprobs[:budget]
             t.segments[-1].add(ids, True, logprobs)
             t.turns += 1
+            t.versions.append(c.version)
             stopped = c.finish_reason == "stop" and len(c.ids) <= budget
             text = decode([i for i in ids if i not in renderer.stops])
             content, calls = parse_turn(

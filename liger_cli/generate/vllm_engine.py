@@ -49,14 +49,17 @@ class VllmEngine:
     def max_model_len(self) -> int:
         return int(self.base.get("max_model_len") or 0)
 
-    def complete(self, prompts: list[list[int]], keys: list, sampling: Sampling, stop_ids: list[int]):
-        """One Completion per prompt, in order."""
+    def complete(
+        self, prompts: list[list[int]], keys: list, sampling: Sampling, stop_ids: list[int], policy: str | None = None
+    ):
+        """One Completion per prompt, in order, sampled by `policy` (default: the current one)."""
+        policy = policy or self.policy
         truncated = sampling.top_p < 1 or sampling.top_k > 0
 
         def one(prompt_and_key) -> Completion:
             prompt, key = prompt_and_key
             payload = {
-                "model": self.policy, "prompt": list(prompt), "max_tokens": sampling.max_new_tokens,
+                "model": policy, "prompt": list(prompt), "max_tokens": sampling.max_new_tokens,
                 "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k or -1,
                 "seed": sequence_seed(sampling.seed, key), "logprobs": 0, "return_token_ids": True,
                 "stop_token_ids": list(stop_ids), "skip_special_tokens": False, "ignore_eos": True,
@@ -83,9 +86,9 @@ class VllmEngine:
     def ask(self, path: str, payload: dict | None = None) -> dict:
         return request(self.url, path, payload, self.timeout)
 
-    def load_adapter(self, folder: Path, name: str) -> None:
+    def load_adapter(self, folder: Path, name: str, keep: bool = False) -> None:
         """Serve the adapter saved in `folder` (a peft adapter) under `name` (new: a reused name would serve
-        the old weights), and drop the last one."""
+        the old weights), and drop the last one unless `keep` (rl.max_staleness: the caller unloads)."""
         fault = os.environ.get(FAULTS) if self._folders else None
         if fault == "skip_update":  # the new weights never arrive: the last ones served under the new name
             folder = self._folders[-1]
@@ -93,6 +96,9 @@ class VllmEngine:
             folder = self._folders[0]
         self.ask("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder.resolve())})
         previous, self.policy = self.policy, name
+        if keep:
+            self._folders.append(folder)
+            return
         if previous != self.base["id"]:
             self.unload(previous)
         self._keep(folder)

@@ -136,6 +136,10 @@ class RLSection(_Section):
     """Divide advantages by the group's std (group), the step's (batch), or not at all (none: Dr. GRPO)."""
     num_iterations: int = Field(1, ge=1)
     """Optimizer steps on each batch of completions."""
+    max_staleness: int = Field(0, ge=0)
+    """0: each step samples with the weights it trains (synchronous). K > 0: step s trains on completions
+    sampled with the weights of step s - K (the first K steps: the starting weights), sampled in the
+    background while the steps between train; every row names its `policy_version` (docs/rl.md)."""
     importance_sampling: (
         Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] | None
     ) = None
@@ -308,6 +312,8 @@ def check_rl(recipe) -> None:
         )
     if recipe.rl.engine == "vllm":
         check_vllm(recipe)
+    if recipe.rl.max_staleness:
+        check_staleness(recipe)
     if recipe.rl.max_new_tokens >= recipe.data.max_seq_len:
         raise ValueError(
             f"rl.max_new_tokens {recipe.rl.max_new_tokens} leaves no room for the prompt in data.max_seq_len "
@@ -330,6 +336,37 @@ def check_vllm(recipe) -> None:
         raise ValueError(
             "rl.engine vllm with adapter.type dora: vLLM serves LoRA adapters only (no DoRA magnitudes), so it "
             "would sample from another policy; use adapter.type lora, or rl.engine transformers"
+        )
+
+
+def check_staleness(recipe) -> None:
+    """What sampling ahead (rl.max_staleness > 0) cannot do yet is refused before anything loads."""
+    rl, k = recipe.rl, recipe.rl.max_staleness
+    if rl.num_iterations > 1:
+        raise ValueError(
+            f"rl.num_iterations {rl.num_iterations} with rl.max_staleness {k}: both reuse old completions; "
+            "choose one (set rl.num_iterations: 1 or rl.max_staleness: 0)"
+        )
+    if recipe.distributed.sequence_parallel > 1:
+        raise ValueError(
+            "rl.max_staleness with distributed.sequence_parallel: the background sampler samples whole "
+            "sequences on each process; set rl.max_staleness: 0 or distributed.sequence_parallel: 1"
+        )
+    if rl.engine == "vllm" and recipe.adapter.type == "none":
+        raise ValueError(
+            "rl.max_staleness with rl.engine vllm and full fine-tuning: the server holds one set of weights, and "
+            "sampling ahead needs the last max_staleness + 1 policies at once; use an adapter, or max_staleness 0"
+        )
+    if rl.engine == "transformers" and recipe.distributed.shards_weights:
+        raise ValueError(
+            f"rl.max_staleness with rl.engine transformers under {recipe.distributed.backend}: the background "
+            "sampler keeps a whole copy of the policy, which a sharded model has nowhere; use rl.engine vllm, "
+            "distributed.backend ddp, or max_staleness 0"
+        )
+    if rl.engine == "transformers" and recipe.model.quantize != "none":
+        raise ValueError(
+            f"rl.max_staleness with model.quantize {recipe.model.quantize}: the background sampler's copy of a "
+            "4-bit model is not supported yet; set rl.max_staleness: 0"
         )
 
 

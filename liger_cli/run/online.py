@@ -10,6 +10,7 @@ evaluation pads each rank's share of the eval prompts with repeats.
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -51,6 +52,61 @@ class TransformersEngine:
         return None
 
 
+class Rollouts:
+    """Each optimizer step's micro-batches of an online run: sampled at the step (synchronous), or ahead of it
+    in the background (rl.max_staleness > 0: `liger_cli.run.pipeline`); every completion written to
+    rollouts.jsonl as its step trains. `kept`: a resumed checkpoint's state of them."""
+
+    def __init__(self, trainer, kept: tuple[dict, dict] | None):
+        recipe, data = trainer.recipe, trainer.data
+        self.trainer, self.objective, self.split = trainer, trainer.objective, trainer.split
+        self.sampler = Sampler(recipe, trainer.backend, trainer.model, data.tokenizer)
+        self.ahead = None
+        if recipe.rl.max_staleness:
+            from liger_cli.run.pipeline import Pipeline
+
+            self.ahead = Pipeline(trainer, self.sampler, self.examples)
+        if kept is not None:  # grpo: the completions the next steps reuse, or the batches sampled ahead
+            (self.ahead.restore if "pipeline" in kept[1] else self.objective.restore)(*kept)
+
+    def examples(self, data_step: int) -> list[list[dict]]:
+        """The prompt rows of a data step, one list per micro-batch."""
+        accum, data = self.trainer.recipe.training.grad_accum, self.trainer.data
+        return [data.examples(data_step * accum + a) for a in range(accum)]
+
+    def batch(self, step: int) -> list[dict]:
+        """The micro-batches of optimizer step `step` (from 0); its completions appended to rollouts.jsonl."""
+        split, sampler, objective = self.split, self.sampler, self.objective
+        reduce = split.once(sampler.reduce) if split else sampler.reduce  # a split group samples once
+        if self.ahead is not None:
+            micro = self.ahead.batch(step, reduce)
+        else:
+            micro = objective.rollout(step, self.examples(objective.data_step(step)), self.trainer.model,
+                                      sampler, reduce)  # fmt: skip
+        rows = sampler.gather(objective.samples if not split or split.index == 0 else [])
+        write_rollouts(self.trainer.recipe.output.dir, rows, self.trainer.backend.accelerator.is_main_process)
+        return micro
+
+    def step_done(self, step: int) -> None:
+        self.sampler.step_done(step, self.objective.step_stats)
+
+    def drain(self) -> None:
+        """Nothing left sampling in the background (before an evaluation uses the engine)."""
+        if self.ahead is not None:
+            self.ahead.drain()
+
+    def checkpoint_state(self) -> tuple[dict, dict] | None:
+        return self.ahead.checkpoint_state() if self.ahead is not None else self.objective.checkpoint_state()
+
+    def close(self) -> None:
+        """Stop the background sampler, the tool processes and the engine's server."""
+        try:
+            if self.ahead is not None:
+                self.ahead.close()
+        finally:
+            self.sampler.close()
+
+
 class Sampler:
     """trajectories(prompt rows, keys, greedy=False) -> Trajectories, sampled by the run's engine: one model
     turn each, or, with rl.tools or rl.environment, episodes of turns and tool calls
@@ -79,6 +135,10 @@ class Sampler:
         """The tool processes (started at the first call, stopped by `close`)."""
         self.tools_s = 0.0
         """Seconds this process spent in tool calls so far."""
+        self.version = 0
+        """The trainer's policy version: optimizer steps taken."""
+        self.local = False
+        """Episodes on this process alone (`using`: an engine that needs no other process to step)."""
 
     def __call__(
         self, prompts: list[list[int]], keys: list, greedy: bool = False, max_new_tokens: int | None = None
@@ -86,7 +146,10 @@ class Sampler:
         sampling = replace(self.sampling, temperature=0) if greedy else self.sampling
         if max_new_tokens is not None:
             sampling = replace(sampling, max_new_tokens=max_new_tokens)
-        return self.engine.complete(prompts, keys, sampling, self.stop_ids)
+        completions = self.engine.complete(prompts, keys, sampling, self.stop_ids)
+        for c in completions:  # the trainer's own weights, unless the engine says which sampled
+            c.version = self.version if c.version is None else c.version
+        return completions
 
     def trajectories(self, rows: list[dict], keys: list, greedy: bool = False) -> list[Trajectory]:
         """One trajectory per prompt row (rows repeat for a group), keyed for its randomness."""
@@ -101,7 +164,8 @@ class Sampler:
                 asked = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
                 messages = [*asked, {"role": "assistant", "content": text}]
                 found.append(
-                    Trajectory(str(key), messages, [segment], turns=1, finish_reason=c.finish_reason)
+                    Trajectory(str(key), messages, [segment], turns=1, finish_reason=c.finish_reason,
+                               versions=[c.version])
                 )
             return found
         found = []
@@ -128,6 +192,14 @@ class Sampler:
         trainer (`stats`, the rollout's figures), then the new weights pushed to it (the vllm engine)."""
         self.engine.check_step(step - 1, stats)
         self.engine.update(step)
+        self.version = step
+
+    def using(self, engine) -> Sampler:
+        """This sampler with another engine (rl.max_staleness's background one, `liger_cli.run.pipeline`),
+        whose calls involve no other process: its episodes need no collective."""
+        other = copy.copy(self)
+        other.engine, other.local = engine, True
+        return other
 
     def close(self) -> None:
         """Stop the tool processes and the engine's server."""
@@ -152,6 +224,8 @@ class Sampler:
 
     def any_live(self, local: bool) -> bool:
         """Whether any process still has a trajectory running."""
+        if self.local:
+            return local
         return bool(self.reduce(torch.tensor([float(local)]), "max")[0] > 0)
 
     def reduce(self, values: torch.Tensor, op: str = "sum") -> torch.Tensor:

@@ -6,7 +6,7 @@ data (`inputs.py`) -> model (adapter, checkpointing, kernels) -> output folder c
 model, e.g. reference log-probs: `reference.py`) -> resume. Then `fit`: one
 loop over optimizer steps, each taking `grad_accum` micro-batches per process (`batches.py` says
 which). An online objective (GRPO) makes a step's micro-batches by sampling from the model being
-trained instead (`rollout`, with `online.py`'s sampler). Everything that differs between backends is
+trained instead (`online.py`'s Rollouts: at the step, or ahead of it with rl.max_staleness). Everything that differs between backends is
 a call on the `Backend` object.
 
 The logged loss is the true mean over the label tokens of the whole optimizer step (all micro-
@@ -73,8 +73,10 @@ class Trainer:
     """distributed.sequence_parallel: each micro-batch's sequences split over a group of processes."""
     online: bool = False
     """The objective samples its batches from the model as it trains (grpo, distill: `Online`)."""
-    sampler: object = None
-    """An online run's Sampler (liger_cli.run.online), closed by `run` however the loop ends."""
+    rollouts: object = None
+    """An online run's Rollouts (liger_cli.run.online), closed by `run` however the loop ends."""
+    kept: tuple | None = None
+    """A resumed online run's state of its rollouts (the checkpoint's objective state)."""
 
 
 def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
@@ -137,8 +139,8 @@ def run(recipe: Recipe, plan: Plan, echo=print) -> dict:
     try:
         last = fit(trainer)
     finally:  # a run that stops on an error stops its tool processes and its engine's server too
-        if trainer.sampler is not None:
-            trainer.sampler.close()
+        if trainer.rollouts is not None:
+            trainer.rollouts.close()
     finish(trainer, last)
     return last  # the process group is destroyed by the launcher (rank.py), after every run in it
 
@@ -237,8 +239,7 @@ def resume(trainer: Trainer, checkpoint_dir: Path) -> None:
         ) from None
     rank = trainer.backend.accelerator.process_index
     trainer.step = checkpoint.load_plain_state(checkpoint_dir, trainer.scheduler, rank)
-    if (state := checkpoint.load_objective_state(checkpoint_dir, rank)) is not None:
-        trainer.objective.restore(*state)  # grpo: the completions that the next steps reuse
+    trainer.kept = checkpoint.load_objective_state(checkpoint_dir, rank)  # grpo's completions for the next steps
     if isinstance(trainer.data.batches, StreamBatches):  # the stream continues where the step left it
         position = checkpoint.read_state(checkpoint_dir).get("stream")
         if position is None:
@@ -274,19 +275,20 @@ def fit(trainer: Trainer) -> dict[str, float]:
     objective = trainer.objective
     step = trainer.step
     last: dict[str, float] = {}
-    samples = sampler = None
+    samples = rollouts = None
     if t.eval_samples:
         from liger_cli.run.samples import Samples
 
         samples = Samples.of_run(recipe, data.eval, data.tokenizer, model)
     if online := trainer.online:  # the generation stage is imported by the runs that sample
-        from liger_cli.run.online import Sampler, evaluate_rewards, write_rollouts
+        from liger_cli.run.online import Rollouts, evaluate_rewards
 
-        sampler = trainer.sampler = Sampler(recipe, backend, model, data.tokenizer)
+        rollouts = trainer.rollouts = Rollouts(trainer, trainer.kept)
 
     def run_eval(at: int, echo) -> None:
         if online:  # an objective's own evaluation (distill: eval_kl), else by reward (grpo)
-            own = getattr(objective, "evaluate", None)
+            rollouts.drain()  # the engine free of background sampling
+            sampler, own = rollouts.sampler, getattr(objective, "evaluate", None)
             found = own(model, sampler, data.eval) if own else evaluate_rewards(objective, sampler, data.eval)
         else:
             found = evaluate(model, data.eval, accelerator, objective, t.micro_batch_size, pad_id, data.filler,
@@ -307,15 +309,7 @@ def fit(trainer: Trainer) -> dict[str, float]:
     while step < data.total_steps:
         trainer.memory.step_begins()
         if online:  # the step's prompts, each sampled rl.num_generations times and scored
-            first = objective.data_step(step) * t.grad_accum
-            examples = [data.examples(first + a) for a in range(t.grad_accum)]
-            split = trainer.split  # a group's processes sample the same completions: counted once
-            micro = objective.rollout(
-                step, examples, model, sampler, split.once(sampler.reduce) if split else sampler.reduce
-            )
-            write_rollouts(
-                out, sampler.gather(objective.samples if not split or split.index == 0 else []), main
-            )
+            micro = rollouts.batch(step)
         else:
             micro = [
                 objective.collate(data.examples(step * t.grad_accum + a), pad_id) for a in range(t.grad_accum)
@@ -352,7 +346,7 @@ def fit(trainer: Trainer) -> dict[str, float]:
         trainer.memory.step_ends()
         step += 1
         if online:  # the engine checked against the trainer, then given the new weights
-            sampler.step_done(step, objective.step_stats)
+            rollouts.step_done(step)
         window_steps += 1
         progress.update(1)
         if step == 1 and (
@@ -386,7 +380,7 @@ def fit(trainer: Trainer) -> dict[str, float]:
         if (every and step % every == 0) or step == data.total_steps:  # the last step too: a run can continue
             state = {"step": step, "total_steps": data.total_steps, **data.position()}
             found, scheduler = trainer.fingerprint, trainer.scheduler
-            kept = objective.checkpoint_state() if online else None
+            kept = rollouts.checkpoint_state() if online else None
             saved = checkpoint.save_checkpoint(accelerator, out, step, state, found, scheduler, kept)
             log(f"checkpoint saved: {saved}")
     progress.close()

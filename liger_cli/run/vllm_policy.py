@@ -45,6 +45,10 @@ class VllmPolicy:
         self.folder = recipe.output.dir / FOLDER
         self.adapter = recipe.adapter.type != "none"
         self.server = None
+        self.keep_versions = False
+        """rl.max_staleness: earlier policies stay served until `release` (their batches are still sampling)."""
+        self.kept: list[int] = []
+        self.version = 0
         url, timeout = recipe.rl.vllm.server, recipe.rl.vllm.timeout
         if url is None and self.main:  # the run's own server
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -94,13 +98,29 @@ class VllmPolicy:
                 self.backend.model_to_save(self.model).save_pretrained(
                     where, state_dict=state, safe_serialization=True
                 )
-                self.engine.load_adapter(where, f"{self.tag}-{version}")
+                self.engine.load_adapter(where, self.name(version), keep=self.keep_versions)
+                if self.keep_versions:
+                    self.kept.append(version)
             else:
                 _save_weights(state, where)
                 self.engine.load_weights(where)
         accelerator.wait_for_everyone()
         if self.adapter:  # every process names the new adapter in its requests
-            self.engine.policy = f"{self.tag}-{version}"
+            self.engine.policy = self.name(version)
+        self.version = version
+
+    def name(self, version: int) -> str:
+        """The served name of policy `version` (a LoRA run's)."""
+        return f"{self.tag}-{version}"
+
+    def release(self, oldest: int) -> None:
+        """rl.max_staleness: the policies before `oldest` are no longer asked for: unloaded, folders removed."""
+        if not (self.main and self.keep_versions):
+            return
+        for version in [v for v in self.kept if v < oldest]:
+            self.engine.unload(self.name(version))
+            shutil.rmtree(self.folder / f"policy-{version}", ignore_errors=True)
+            self.kept.remove(version)
 
     def check_policy(self, text_ids: list[int]) -> None:
         """Before the first step, the served policy is the trainer's: its log-probs of a fixed sequence (a
@@ -153,8 +173,9 @@ class VllmPolicy:
         if self.server is not None:
             self.server.stop()
         elif self.main and self.adapter and engine is not None and engine.policy != engine.base["id"]:
-            with contextlib.suppress(RunFailed):
-                self.engine.unload(self.engine.policy)
+            for version in {*self.kept, self.version}:
+                with contextlib.suppress(RunFailed):
+                    self.engine.unload(self.name(version))
         if self.main:
             shutil.rmtree(self.folder, ignore_errors=True)
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -36,6 +37,19 @@ from liger_cli.model.objectives.online import Online, aligned, shifted, token_lo
 from liger_cli.model.objectives.preference import kept_flags, reference_mode
 from liger_cli.model.objectives.rewards import Reward, score
 from liger_cli.model.objectives.rollout_stats import rollout_stats
+
+
+@dataclass
+class Sampled:
+    """A step's completions as sampled and scored, before the trainer's part of the rollout (`Grpo.finish`)."""
+
+    data_step: int
+    version: int
+    """The policy version that was asked to sample them (each row says which did: `policy_version`)."""
+    micro: list[dict]
+    rows: list[dict]
+    sampling_s: float
+    tools_s: float
 
 
 class Grpo(Online):
@@ -48,6 +62,8 @@ class Grpo(Online):
         self._cached: tuple[int, list] | None = None
         self._iteration = 0
         """Which of its num_iterations optimizer steps the current batch of completions serves."""
+        self._on_policy = True
+        """The current batch was sampled by the weights being trained, and this is its first update."""
         self._reference: list[torch.Tensor] | None = None
         """Full fine-tuning with beta > 0: the starting weights as this process stores them."""
         self._stored = None
@@ -69,29 +85,64 @@ class Grpo(Online):
         self._iteration = step - data_step * self.rl.num_iterations
         if self._cached is not None and self._cached[0] == data_step:
             self.samples = []  # written when they were sampled
+            self._on_policy = False
             return self._cached[1]
+        return self.finish(step, self.sample_batch(data_step, examples, sample), model, reduce)
+
+    def sample_batch(self, data_step: int, examples: list[list[dict]], sample) -> Sampled:
+        """A step's micro-batches sampled and scored: no gradient and no other process (the part that
+        rl.max_staleness runs in the background, `liger_cli.run.pipeline`)."""
         start, tools_before = time.perf_counter(), getattr(sample, "tools_s", 0.0)
         micro, rows = [], []
         for prompts in examples:
             batch, found = self._sample(data_step, prompts, sample)
             micro.append(batch)
             rows += found
-        sampled = time.perf_counter()
+        tools = getattr(sample, "tools_s", 0.0) - tools_before
+        return Sampled(data_step, sample.version, micro, rows, time.perf_counter() - start - tools, tools)
+
+    def finish(self, step: int, sampled: Sampled, model, reduce, weights=None) -> list[dict]:
+        """The rest of a rollout, every process together: stale rows dropped (rl.max_staleness), advantages,
+        the trainer's log-probs under the weights that sampled (`weights`: a context that puts them in the
+        model, when they are not the model's own now), the step's figures and rows."""
+        start, micro, rows = time.perf_counter(), sampled.micro, sampled.rows
+        dropped = self._drop_stale(step, micro, rows) if self.rl.max_staleness else None
         self._advantages(micro, reduce)
-        for batch in micro:
-            self._trainer_logps(model, batch)
+        with weights if weights is not None else contextlib.nullcontext():
+            for batch in micro:
+                self._trainer_logps(model, batch)
         self.step_stats = rollout_stats(micro, rows, reduce, self.rl, self.rewards)
         # This process's seconds: sampling and scoring, then the whole rollout (with the no-grad log-probs).
-        tools = getattr(sample, "tools_s", 0.0) - tools_before
         self.step_stats |= {
-            "time/sampling_s": sampled - start - tools,
-            "time/rollout_s": time.perf_counter() - start,
+            "time/sampling_s": sampled.sampling_s,
+            "time/rollout_s": sampled.sampling_s + sampled.tools_s + time.perf_counter() - start,
         }
         if self.rl.agentic:
-            self.step_stats["time/tools_s"] = tools
+            self.step_stats["time/tools_s"] = sampled.tools_s
+        if dropped is not None:
+            self.step_stats["rollout/stale_dropped"] = float(reduce(torch.tensor([float(dropped)]))[0])
         self.samples = self._rows(step, micro, rows)
-        self._cached = (data_step, micro)
+        self._cached = (sampled.data_step, micro)
+        self._on_policy = self._iteration == 0 and sampled.version == step
         return micro
+
+    def _drop_stale(self, step: int, micro: list[dict], rows: list[dict]) -> int:
+        """Rows sampled more than rl.max_staleness versions before `step` leave the loss with their whole
+        group (their labels masked: every shape stays); how many rows left."""
+        oldest, g, dropped, first = step - self.rl.max_staleness, self.rl.num_generations, 0, 0
+        for batch in micro:
+            n = batch["rewards"].numel()
+            versions = [rows[first + i]["policy_version"] for i in range(n)]
+            stale = {i // g for i, v in enumerate(versions) if v is None or v < oldest}
+            for group in stale:
+                segments = (batch["trajectory"] // g) == group
+                batch["labels"][segments] = IGNORE_INDEX
+                batch["completion_mask"][segments] = False
+                for i in range(group * g, group * g + g):
+                    rows[first + i]["stale_dropped"] = True
+                dropped += g
+            first += n
+        return dropped
 
     def units(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         from liger_kernels.grpo import loss_units
@@ -103,8 +154,9 @@ class Grpo(Online):
 
         rl = self.rl
         logp, mask = token_logprobs(model, batch, rl.temperature)
-        # The first update on a batch is on-policy: the old log-probs are the current ones, exactly.
-        old = logp.detach() if self._iteration == 0 else batch["old_logp"]
+        # The first update on a batch sampled by these weights is on-policy: the old log-probs are the
+        # current ones, exactly. Later iterations and older samples (rl.max_staleness) use the sampling weights'.
+        old = logp.detach() if self._on_policy else batch["old_logp"]
         weights = capped = None
         if rl.importance_sampling != "none":  # the sampler's distribution against the trainer's (docs/rl.md)
             weights, capped = importance_weights(
@@ -139,6 +191,7 @@ class Grpo(Online):
             i, _, name = key.partition("/")
             micro[int(i)][name] = value
         self._cached, self.step_stats = (meta["data_step"], micro), meta["step_stats"]
+        self._on_policy = False
 
     def keep_reference(self, model: nn.Module, backend) -> None:
         """Called once on the prepared model before any weight changes (and before a resume loads
@@ -188,6 +241,7 @@ class Grpo(Online):
             self.rollout_row(rows[i], t, sample.text(t))
             | {"rewards": {n: v[i] for n, v in per_function.items()}, "reward": totals[i],
                "sampled_tokens": sum(sum(s.mask) for s in t.segments)}
+            | ({"turn_versions": t.versions} if self.rl.agentic else {})
             | ({"segments": [vars(s) for s in t.segments]} if len(t.segments) > 1 else {})
             for i, t in enumerate(trajectories)
         ]  # fmt: skip
