@@ -50,7 +50,12 @@ class VllmEngine:
         return int(self.base.get("max_model_len") or 0)
 
     def complete(
-        self, prompts: list[list[int]], keys: list, sampling: Sampling, stop_ids: list[int], policy: str | None = None
+        self,
+        prompts: list[list[int]],
+        keys: list,
+        sampling: Sampling,
+        stop_ids: list[int],
+        policy: str | None = None,
     ):
         """One Completion per prompt, in order, sampled by `policy` (default: the current one)."""
         policy = policy or self.policy

@@ -164,8 +164,14 @@ class Sampler:
                 asked = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
                 messages = [*asked, {"role": "assistant", "content": text}]
                 found.append(
-                    Trajectory(str(key), messages, [segment], turns=1, finish_reason=c.finish_reason,
-                               versions=[c.version])
+                    Trajectory(
+                        str(key),
+                        messages,
+                        [segment],
+                        turns=1,
+                        finish_reason=c.finish_reason,
+                        versions=[c.version],
+                    )
                 )
             return found
         found = []

@@ -56,7 +56,9 @@ class Pipeline:
         """Data step -> its batch sampled (waited for by a checkpoint, or restored by a resume)."""
         self.wait_s = 0.0
         self.engine = (
-            VllmVersions(sampler.engine) if trainer.recipe.rl.engine == "vllm" else CopyEngine(trainer, sampler)
+            VllmVersions(sampler.engine)
+            if trainer.recipe.rl.engine == "vllm"
+            else CopyEngine(trainer, sampler)
         )
         self.threads = ThreadPoolExecutor(1, thread_name_prefix="liger-sampler")
 
@@ -94,7 +96,9 @@ class Pipeline:
         self.drain()
         tensors, batches = {}, {}
         for b, s in self.ready.items():
-            tensors |= {f"batch{b}/{i}/{n}": t.contiguous() for i, m in enumerate(s.micro) for n, t in m.items()}
+            tensors |= {
+                f"batch{b}/{i}/{n}": t.contiguous() for i, m in enumerate(s.micro) for n, t in m.items()
+            }
             batches[str(b)] = {"version": s.version, "micro_batches": len(s.micro), "rows": s.rows,
                                "sampling_s": s.sampling_s, "tools_s": s.tools_s}  # fmt: skip
         versions = sorted({s.version for s in self.ready.values()})
@@ -107,7 +111,9 @@ class Pipeline:
         for b, s in state["batches"].items():
             micro = [{n.split("/", 2)[2]: t for n, t in tensors.items() if n.startswith(f"batch{b}/{i}/")}
                      for i in range(s["micro_batches"])]  # fmt: skip
-            self.ready[int(b)] = Sampled(int(b), s["version"], micro, s["rows"], s["sampling_s"], s["tools_s"])
+            self.ready[int(b)] = Sampled(
+                int(b), s["version"], micro, s["rows"], s["sampling_s"], s["tools_s"]
+            )
         for v in state["snapshots"]:
             count = sum(1 for n in tensors if n.startswith(f"snapshot{v}/"))
             self.snapshots[v] = [tensors[f"snapshot{v}/{j}"] for j in range(count)]
