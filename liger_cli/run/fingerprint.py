@@ -39,6 +39,8 @@ def fingerprint(recipe: Recipe, num_processes: int, backend: str) -> dict:
     }
     if recipe.distributed.sequence_parallel > 1:  # the data is sharded over the groups, not the processes
         found["distributed.sequence_parallel"] = recipe.distributed.sequence_parallel
+    if recipe.rl is not None and recipe.rl.max_staleness:  # which weights sample each batch
+        found["rl.max_staleness"] = recipe.rl.max_staleness
     return json.loads(json.dumps(found))  # exactly what a JSON round trip gives back
 
 
@@ -66,7 +68,11 @@ def check_same_run(checkpoint: Path, found: dict) -> None:
             f"cannot resume {checkpoint}: it has no readable {FINGERPRINT_FILE} (what the run depends on); "
             "start a new run in another output.dir"
         ) from None
-    for field, value in found.items():
+    for field in [
+        *found,
+        *(f for f in recorded if f not in found),
+    ]:  # a field only one of them has differs too
+        value = found.get(field)
         if recorded.get(field) != value:
             raise UserError(
                 f"cannot resume {checkpoint}: {field} differs (checkpoint: {short_json(recorded.get(field))}, "

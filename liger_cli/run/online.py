@@ -60,7 +60,7 @@ class Rollouts:
     def __init__(self, trainer, kept: tuple[dict, dict] | None):
         recipe, data = trainer.recipe, trainer.data
         self.trainer, self.objective, self.split = trainer, trainer.objective, trainer.split
-        self.sampler = Sampler(recipe, trainer.backend, trainer.model, data.tokenizer)
+        self.sampler = Sampler(recipe, trainer.backend, trainer.model, data.tokenizer, trainer.step)
         self.ahead = None
         if recipe.rl.max_staleness:
             from liger_cli.run.pipeline import Pipeline
@@ -112,14 +112,14 @@ class Sampler:
     turn each, or, with rl.tools or rl.environment, episodes of turns and tool calls
     (liger_cli.generate.episodes). The one interface every online objective reads its rollouts from."""
 
-    def __init__(self, recipe, backend, model, tokenizer):
+    def __init__(self, recipe, backend, model, tokenizer, version: int = 0):
         rl = recipe.rl
         self.rl, self.max_seq_len = rl, recipe.data.max_seq_len
         self.backend, self.tokenizer = backend, tokenizer
         if rl.engine == "vllm":  # a server given every weight update (liger_cli.run.vllm_policy)
             from liger_cli.run.vllm_policy import VllmPolicy
 
-            self.engine = VllmPolicy(recipe, backend, model, tokenizer)
+            self.engine = VllmPolicy(recipe, backend, model, tokenizer, version)
         else:
             self.engine = TransformersEngine(backend, model, tokenizer.pad_token_id)
         self.sampling = Sampling(rl.max_new_tokens, rl.temperature, rl.top_p, rl.top_k, recipe.training.seed)
@@ -135,8 +135,8 @@ class Sampler:
         """The tool processes (started at the first call, stopped by `close`)."""
         self.tools_s = 0.0
         """Seconds this process spent in tool calls so far."""
-        self.version = 0
-        """The trainer's policy version: optimizer steps taken."""
+        self.version = version
+        """The trainer's policy version: optimizer steps taken (a resumed run's: its checkpoint's step)."""
         self.local = False
         """Episodes on this process alone (`using`: an engine that needs no other process to step)."""
 

@@ -69,7 +69,8 @@ class Pipeline:
     def batch(self, step: int, reduce) -> list[dict]:
         """The micro-batches optimizer step `step` trains on; the batches that the weights of `step` sample
         are started first."""
-        self.snapshots.setdefault(step, self._stored_copy())
+        if step not in self.snapshots:  # every step's: a resume may run past this run's end
+            self.snapshots[step] = self._stored_copy()
         for b in range(step, min(step + self.k, self.total - 1) + 1):
             if b not in self.pending and b not in self.ready:
                 v = self.version_of(b)
@@ -101,7 +102,7 @@ class Pipeline:
             }
             batches[str(b)] = {"version": s.version, "micro_batches": len(s.micro), "rows": s.rows,
                                "sampling_s": s.sampling_s, "tools_s": s.tools_s}  # fmt: skip
-        versions = sorted({s.version for s in self.ready.values()})
+        versions = sorted(self.snapshots)  # the batches' and those of the batches not started yet
         for v in versions:
             tensors |= {f"snapshot{v}/{j}": t.contiguous() for j, t in enumerate(self.snapshots[v])}
         return tensors, {"pipeline": {"batches": batches, "snapshots": versions}}
@@ -117,6 +118,7 @@ class Pipeline:
         for v in state["snapshots"]:
             count = sum(1 for n in tensors if n.startswith(f"snapshot{v}/"))
             self.snapshots[v] = [tensors[f"snapshot{v}/{j}"] for j in range(count)]
+            self.engine.restore(v, self._weights(self.snapshots[v]))
 
     def close(self) -> None:
         for future in self.pending.values():
@@ -211,6 +213,9 @@ class CopyEngine:
     def release(self, oldest: int) -> None:
         return None
 
+    def restore(self, version: int, weights) -> None:
+        return None  # each batch's snapshot is loaded before it samples
+
 
 class VllmVersions:
     """rl.engine vllm, sampling ahead: each batch's requests name its version's adapter, which the server
@@ -225,6 +230,14 @@ class VllmVersions:
 
     def release(self, oldest: int) -> None:
         self.policy.release(oldest)
+
+    def restore(self, version: int, weights) -> None:
+        """A resumed run's earlier policy, whose batches are still to be sampled, served again (every process:
+        the push is collective); the current policy stays the one requests name by default."""
+        current = self.policy.version
+        with weights:
+            self.policy.update(version)
+        self.policy.engine.policy, self.policy.version = self.policy.name(current), current
 
 
 class _VersionOf:

@@ -239,7 +239,9 @@ def resume(trainer: Trainer, checkpoint_dir: Path) -> None:
         ) from None
     rank = trainer.backend.accelerator.process_index
     trainer.step = checkpoint.load_plain_state(checkpoint_dir, trainer.scheduler, rank)
-    trainer.kept = checkpoint.load_objective_state(checkpoint_dir, rank)  # grpo's completions for the next steps
+    trainer.kept = checkpoint.load_objective_state(
+        checkpoint_dir, rank
+    )  # grpo's completions for the next steps
     if isinstance(trainer.data.batches, StreamBatches):  # the stream continues where the step left it
         position = checkpoint.read_state(checkpoint_dir).get("stream")
         if position is None:

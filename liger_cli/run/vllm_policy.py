@@ -38,7 +38,7 @@ DEFAULT_BOUND = {torch.float32: 1e-3}
 class VllmPolicy:
     """The engine behind the run's Sampler when rl.engine is vllm (`complete`), and its updates."""
 
-    def __init__(self, recipe, backend, model, tokenizer):
+    def __init__(self, recipe, backend, model, tokenizer, version: int = 0):
         self.backend, self.model = backend, model
         accelerator = backend.accelerator
         self.main = accelerator.is_main_process
@@ -48,7 +48,7 @@ class VllmPolicy:
         self.keep_versions = False
         """rl.max_staleness: earlier policies stay served until `release` (their batches are still sampling)."""
         self.kept: list[int] = []
-        self.version = 0
+        self.version = version
         url, timeout = recipe.rl.vllm.server, recipe.rl.vllm.timeout
         if url is None and self.main:  # the run's own server
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -72,7 +72,7 @@ class VllmPolicy:
             if self.main:
                 probe = [{"role": "user", "content": "What is 2 + 2?"}] if tokenizer.chat_template else None
                 check_served(self.engine, tokenizer, recipe.data.max_seq_len, PROBE, probe)
-            self.update(0)
+            self.update(version)
             self.check_policy(tokenizer(PROBE, add_special_tokens=False)["input_ids"])
         except BaseException:
             self.close()
