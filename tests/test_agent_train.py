@@ -20,8 +20,8 @@ from test_train import liger, liger_here
 REPO = Path(__file__).resolve().parents[1]
 AGENT = REPO / "recipes" / "agent"
 FIELDS = ["step", "prompt", "prompt_ids", "completion", "completion_ids", "completion_mask", "sampler_logprobs",
-          "messages", "turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_crashes", "finish_reason", "rewards",
-          "reward", "advantage"]  # fmt: skip
+          "messages", "turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_crashes", "finish_reason",
+          "policy_version", "key", "rewards", "reward", "turn_versions", "advantage"]  # fmt: skip
 pytestmark = pytest.mark.timeout(1800)
 
 
@@ -78,6 +78,10 @@ def test_every_trajectory_is_written_token_exact(runs) -> None:
     TABLE = tools.TABLE  # noqa: N806
     rows = lines(runs["whole"] / "rollouts.jsonl")
     assert len(rows) == 3 * 2 * 4 and all(list(r) == FIELDS for r in rows)
+    # Synchronous: every model turn sampled by the weights its step trains.
+    assert all(
+        r["turn_versions"] == [r["step"] - 1] * r["turns"] == [r["policy_version"]] * r["turns"] for r in rows
+    )
     for r in rows:
         ids, mask, logprobs = r["completion_ids"], r["completion_mask"], r["sampler_logprobs"]
         assert len(ids) == len(mask) == len(logprobs) and mask[0] == 1

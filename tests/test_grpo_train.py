@@ -28,7 +28,7 @@ TIMEOUT = 900
 pytestmark = pytest.mark.timeout(1800)
 ROLLOUT_FIELDS = ["step", "prompt", "prompt_ids", "completion", "completion_ids", "completion_mask",
                   "sampler_logprobs", "messages", "turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_crashes",
-                  "finish_reason", "rewards",
+                  "finish_reason", "policy_version", "key", "rewards",
                   "reward", "advantage"]  # fmt: skip
 
 
@@ -108,6 +108,7 @@ def test_a_grpo_run_writes_every_completion_and_its_figures(run: Path) -> None:
     assert len(rollouts) == 3 * 4 * 4  # steps x prompts per step x G
     assert all(list(r) == ROLLOUT_FIELDS for r in rollouts)
     assert [r["step"] for r in rollouts] == [1] * 16 + [2] * 16 + [3] * 16
+    assert all(r["policy_version"] == r["step"] - 1 for r in rollouts)  # synchronous: the weights it trains
     for r in rollouts:
         assert set(r["rewards"]) == {"exact_match", "short"}
         assert r["reward"] == pytest.approx(r["rewards"]["exact_match"] + 0.5 * r["rewards"]["short"])

@@ -36,8 +36,8 @@ from liger_cli.generate.engine import generate
 from liger_cli.model.objectives.grpo import Sampled
 
 FAULTS = "PYTEST_LIGER_PIPELINE_FAULT"
-"""Test hooks (comma-separated): `stale_sample` (batch 2's first row says an older version sampled it),
-`sampler_crash` (the background sampler fails on batch 2)."""
+"""Test hooks (comma-separated): `stale_sample` (the third step's first row says an older version sampled
+it), `sampler_crash` (the background sampler fails on the fourth step's batch)."""
 
 
 class Pipeline:
@@ -130,7 +130,7 @@ class Pipeline:
     def _sample(self, step: int, version: int, weights: list[torch.Tensor], examples) -> Sampled:
         """In the background thread: the batch of `step`, sampled by `version` (its weights given)."""
         faults = os.environ.get(FAULTS, "").split(",")
-        if "sampler_crash" in faults and step == 2:
+        if "sampler_crash" in faults and step == 3:
             raise RuntimeError("the test hook sampler_crash")
         view = self.sampler.using(self.engine.at(version, weights))
         view.version = version

@@ -49,14 +49,16 @@ class Online:
         """The rollouts.jsonl fields of a trajectory `t` that every online objective writes: the prompt as
         written and its ids; the completion's text, ids (sampled and the environment's), which were
         sampled, their sampler log-probs; the conversation, its turns and tool calls; why it ended; the
-        policy version that sampled it (its oldest turn's)."""
+        policy version that sampled it (its oldest turn's) and its sampling key (with training.seed, all
+        of its randomness: `liger_cli.generate.engine.sequence_seed`)."""
         first = t.segments[0]
         return {"prompt": json.loads(row["prompt"]), "prompt_ids": first.prompt_ids, "completion": text,
                 "completion_ids": first.ids, "completion_mask": first.mask, "sampler_logprobs": first.logprobs,
                 "messages": t.messages, "turns": t.turns, "tool_calls": t.tool_calls, "tool_errors": t.tool_errors,
                 "tool_timeouts": t.tool_timeouts, "tool_crashes": t.tool_crashes,
                 "finish_reason": t.finish_reason,
-                "policy_version": min((v for v in t.versions if v is not None), default=None)}  # fmt: skip
+                "policy_version": min((v for v in t.versions if v is not None), default=None),
+                "key": t.key}  # fmt: skip
 
     def collate(self, examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
         """The prompts alone as a batch (the final check's probe); training batches come from rollout."""
