@@ -132,6 +132,15 @@ def agent_recipe(assets: dict, out: Path, backend: str = "none", **distributed) 
     return written(data, out, backend, world, distributed)
 
 
+def ahead(path: Path) -> Path:
+    """The recipe at `path` sampling one step ahead (rl.max_staleness 1), 3 steps, each batch trained once."""
+    data = yaml.safe_load(path.read_text())
+    data["rl"] |= {"max_staleness": 1, "num_iterations": 1}
+    data["training"]["max_steps"] = 3
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
 def steps(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -150,6 +159,12 @@ def one_process(assets) -> dict[str, Path]:
         cases.append({"recipe": str(recipe(assets, outs[tuning], tuning=tuning))})
     outs["agent"] = assets["root"] / "ref-agent"
     cases.append({"recipe": str(agent_recipe(assets, outs["agent"]))})
+    outs["lora-ahead"], outs["agent-ahead"] = (
+        assets["root"] / "ref-lora-ahead",
+        assets["root"] / "ref-agent-ahead",
+    )
+    cases.append({"recipe": str(ahead(recipe(assets, outs["lora-ahead"])))})
+    cases.append({"recipe": str(ahead(agent_recipe(assets, outs["agent-ahead"])))})
     outs["distill"] = assets["root"] / "ref-distill"
     cases.append({"recipe": str(distill_recipe(assets, outs["distill"]))})
     outs["distill-4bit"] = assets["root"] / "ref-distill-4bit"
@@ -173,6 +188,9 @@ def launch_part(root: Path) -> tuple[list[dict], dict[str, dict[str, Path]]]:
                   for tuning, out in outs[backend].items()]  # fmt: skip
         outs[backend]["agent"] = root / f"{backend}-agent"
         cases.append({"recipe": str(agent_recipe(assets, outs[backend]["agent"], backend, **distributed))})
+    outs["ahead"] = {"lora": root / "ddp-lora-ahead", "agent": root / "ddp-agent-ahead"}  # rl.max_staleness 1
+    cases.append({"recipe": str(ahead(recipe(assets, outs["ahead"]["lora"], "ddp")))})
+    cases.append({"recipe": str(ahead(agent_recipe(assets, outs["ahead"]["agent"], "ddp")))})
     outs[
         "distill"
     ] = {}  # on-policy distillation under each backend (the teacher's layers sharded but by DDP)
@@ -203,6 +221,30 @@ def test_two_processes_train_the_one_process_grpo_run(backend, one_process, back
             same_trajectories(out, one_process[tuning])
             continue
         same_run(out, one_process[tuning], "adapter_model" if tuning == "lora" else "model")
+
+
+def test_two_processes_sample_ahead_as_one_process_does(one_process, backend_runs) -> None:
+    """rl.max_staleness 1 under DDP: each rank samples its prompts in its own background thread (a
+    multi-turn rank's episodes without waiting on the other's), and the run equals the 1-process run:
+    the same completions from the same versions, losses and adapter."""
+    for kind, out in backend_runs["ahead"].items():
+        reference = one_process[f"{kind}-ahead"]
+        key = lambda r: (r["step"], r["key"])  # noqa: E731
+        got, want = sorted(rollouts(out), key=key), sorted(rollouts(reference), key=key)
+        assert len(got) == len(want) == 3 * (8 if kind == "lora" else 2) * 4
+        for mine, theirs in zip(got, want, strict=True):
+            assert mine["policy_version"] == theirs["policy_version"] == max(0, mine["step"] - 2)
+            if kind == "agent":  # every model turn's version
+                assert mine["turn_versions"] == [mine["policy_version"]] * mine["turns"]
+            for name in ("completion_ids", "completion_mask", "sampler_logprobs", "reward"):
+                assert mine[name] == pytest.approx(theirs[name], abs=1e-5), name  # batches differ by rank
+        for mine, theirs in zip(steps(out), steps(reference), strict=True):
+            for name in ("loss", "reward", "clip_fraction", "sampler/abs_logp_diff"):
+                assert mine[name] == pytest.approx(theirs[name], abs=1e-5), name
+        got_w, want_w = (load_file(p / "final" / "adapter_model.safetensors") for p in (out, reference))
+        assert got_w.keys() == want_w.keys() and got_w
+        for name in want_w:
+            torch.testing.assert_close(got_w[name], want_w[name], atol=2e-5, rtol=1e-4, msg=name)
 
 
 def same_trajectories(out: Path, reference: Path) -> None:
