@@ -301,6 +301,32 @@ def test_two_processes_sample_and_train_what_one_does(server, one_process, tmp_p
     assert all(m["sampler/abs_logp_diff"] < 1e-5 for m in steps(tmp_path / "two"))
 
 
+def test_sampling_ahead_names_each_batch_s_policy_and_fsdp2_equals_one_process(server, tmp_path):
+    """rl.max_staleness 1 on the server: each batch's requests name the adapter of the version that samples
+    it (step s: version s - 2, the starting weights for the first two), the trainer scores every sampled
+    token within 1e-5 of the server with that version's weights, and the server keeps no adapter of the
+    run when it ends. 2 processes under FSDP-2 (the shards gathered for each push) train what 1 does."""
+    runs = {"one": [], "two": ["--set", "training.micro_batch_size=2", "--set", "distributed.backend=fsdp2",
+                               "--set", "distributed.num_processes=2"]}  # fmt: skip
+    for name, extra in runs.items():
+        recipe = grpo_recipe(tmp_path, name, vllm={"server": server}, max_staleness=1)
+        proc = liger("train", str(recipe), *extra)
+        assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
+        found = steps(tmp_path / name)
+        assert [m["step"] for m in found] == [1, 2, 3]
+        assert all(m["sampler/abs_logp_diff"] < 1e-5 and m["rollout/stale_dropped"] == 0 for m in found)
+    rows = {n: [json.loads(line) for line in (tmp_path / n / "rollouts.jsonl").open()] for n in runs}
+    assert [r["policy_version"] for r in rows["one"]] == [max(0, r["step"] - 2) for r in rows["one"]]
+    key = lambda r: (r["step"], r["key"])  # noqa: E731
+    assert [(key(r), r["completion_ids"]) for r in sorted(rows["two"], key=key)] == [
+        (key(r), r["completion_ids"]) for r in sorted(rows["one"], key=key)
+    ]
+    got, want = (load_file(tmp_path / n / "final" / "adapter_model.safetensors") for n in ("two", "one"))
+    assert got.keys() == want.keys() and all((got[k] - want[k]).abs().max() < 1e-5 for k in want)
+    served = json.loads(urllib.request.urlopen(server + "/v1/models", timeout=30).read())["data"]
+    assert [m["id"] for m in served if m.get("parent")] == []  # every adapter of both runs unloaded
+
+
 @pytest.mark.parametrize("fault", ["skip_update", "wrong_adapter"])
 def test_a_stale_adapter_stops_the_run_at_its_first_step(server, tmp_path, fault):
     """The update after step 1 does not reach the server (its old weights served under the new name), or

@@ -101,7 +101,7 @@ VLLM_PORT = 8000
 def serve_argv(recipe, vllm_ip: str | None, slurm: bool) -> list[str]:
     """The serving machine's `liger vllm-serve` for the run (every interface under Slurm, where its address
     is the node's name; else the address the trainers are given)."""
-    from liger_cli.recipe.rl_section import vllm_server_options
+    from liger_cli.recipe.vllm_section import vllm_server_options
 
     if recipe.rl is None or recipe.rl.engine != "vllm":
         raise UserError(

@@ -25,7 +25,7 @@ import torch
 from liger_cli.errors import RunFailed
 from liger_cli.generate.vllm_engine import FAULTS, VllmEngine, check_served
 from liger_cli.generate.vllm_server import free_port, server_command, server_env, start, wait_healthy
-from liger_cli.recipe.rl_section import vllm_server_options
+from liger_cli.recipe.vllm_section import vllm_server_options
 
 FOLDER = ".vllm"
 """In the run's output folder: the server's log and the last pushed policies (removed at the end)."""

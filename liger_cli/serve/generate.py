@@ -182,7 +182,7 @@ def _served_dtype(target, folder: Path) -> str:
     """The dtype liger's engine would load the target in: a run's model.dtype (auto: float32), else the
     model's own config (vLLM's own `auto` would serve an fp32 model in fp16)."""
     if target.recipe is not None:
-        from liger_cli.recipe.rl_section import served_dtype
+        from liger_cli.recipe.vllm_section import served_dtype
 
         return served_dtype(target.recipe)
     config = json.loads((folder / "config.json").read_text())
