@@ -308,6 +308,9 @@ def test_sampling_ahead_names_each_batch_s_policy_and_fsdp2_equals_one_process(s
     run when it ends. 2 processes under FSDP-2 (the shards gathered for each push) train what 1 does."""
     runs = {"one": [], "two": ["--set", "training.micro_batch_size=2", "--set", "distributed.backend=fsdp2",
                                "--set", "distributed.num_processes=2"]}  # fmt: skip
+    adapters = lambda: {m["id"] for m in json.loads(urllib.request.urlopen(server + "/v1/models", timeout=30).read())["data"]  # noqa: E731
+                        if m.get("parent")}  # fmt: skip
+    before = adapters()  # another test's stopped run may have left its own
     for name, extra in runs.items():
         recipe = grpo_recipe(tmp_path, name, vllm={"server": server}, max_staleness=1)
         proc = liger("train", str(recipe), *extra)
@@ -323,8 +326,7 @@ def test_sampling_ahead_names_each_batch_s_policy_and_fsdp2_equals_one_process(s
     ]
     got, want = (load_file(tmp_path / n / "final" / "adapter_model.safetensors") for n in ("two", "one"))
     assert got.keys() == want.keys() and all((got[k] - want[k]).abs().max() < 1e-5 for k in want)
-    served = json.loads(urllib.request.urlopen(server + "/v1/models", timeout=30).read())["data"]
-    assert [m["id"] for m in served if m.get("parent")] == []  # every adapter of both runs unloaded
+    assert adapters() == before  # every adapter of both runs unloaded
 
 
 @pytest.mark.parametrize("fault", ["skip_update", "wrong_adapter"])
