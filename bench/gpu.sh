@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One command for a CUDA machine: install what is needed, run every GPU test, the kernel sweep with
 # its peers, a kernels on/off A/B of a real training step, (with 2 GPUs) sequence parallelism at 32k,
-# and a GRPO step on liger's vLLM engine against TRL's use_vllm=True (issue 60), and write one
+# a GRPO step on liger's vLLM engine against TRL's use_vllm=True (issue 60), and (given a fifth time
+# limit) sampling ahead on vLLM, rl.max_staleness 0, 1 and 2 (bench/async_rl.py), and write one
 # markdown report with the numbers and the GPU's name (bench/results/gpu-report.md, or
 # $LIGER_GPU_OUT/gpu-report.md).
 #
@@ -14,8 +15,8 @@
 # with CUDA vllm for the vLLM step, else .venv-vllm). Arguments go to bench/gpu_report.py (e.g.
 # --timeouts 150,240,150,600 --sweep-variants eager,ours --test-workers 4).
 #
-# --timeouts is seconds for the tests, the sweep, the A/B and the vLLM step, in the order they run; 0
-# leaves a step out. The defaults (1 h and more each) suit a machine of one's own. A lease of about 15
+# --timeouts is seconds for the tests, the sweep, the A/B, the vLLM step and sampling ahead, in the order
+# they run; 0 leaves a step out, and so does a fifth left out. The defaults (1 h and more each) suit a machine of one's own. A lease of about 15
 # minutes, the machine's start and this script's set-up included (on a fresh machine the set-up alone
 # installs two CUDA torches, .venv's and vLLM's, minutes each): run the vLLM step only,
 #

@@ -49,6 +49,9 @@ GPU_TESTS = [
 AB_RECIPE = "recipes/bench-gpu.yaml"
 SP_ARGS = ["--recipe", "recipes/bench-llama-1b.yaml", "--length", "16384", "--steps", "3"]
 VLLM_STEP = "GRPO step: vLLM engine vs TRL use_vllm"
+AHEAD_STEP = "sampling ahead on vLLM"
+"""bench/async_rl.py on the GRPO recipe with rl.engine vllm: K = 0, 1, 2 side by side (steps per hour,
+held-out reward by step and by training time); the fifth of --timeouts (0 when fewer are given)."""
 GRPO_ARGS = ["--vllm", "--trl-vllm", "--skip-kernels-off", "--model-config", "recipes/bench/llama-3.2-1b.json",
              "--steps", "3", "--warmup", "1", "--prompts", "4", "--new-tokens", "256"]  # fmt: skip
 """bench/grpo_vs_trl.py's arguments in the vLLM step: 4 prompts x 8 completions x 256 tokens, 1 warm-up
@@ -94,6 +97,8 @@ def commands(args) -> dict[str, list[str]]:
         "TRL install": [vllm_py, *TRL_INSTALL],
         VLLM_STEP: [py, "bench/grpo_vs_trl.py", *GRPO_ARGS, "--trl-python", vllm_py,
                     "--out", str(args.out / "gpu-grpo-vllm")],
+        AHEAD_STEP: [py, "bench/async_rl.py", "--engine", "vllm", "--recipes", "grpo", "--steps", "40",
+                     "--eval-every", "20", "--out", str(args.out / "gpu-async-rl.json")],
     }  # fmt: skip
 
 
@@ -194,16 +199,17 @@ def main() -> int:
     )
     parser.add_argument(
         "--timeouts",
-        default="3600,5400,3600,1800",
-        help="seconds for the tests, the sweep, the A/B (and sequence parallelism) and the vLLM step "
-        "(a fourth left out: 1800); 0 leaves a step out",
+        default="3600,5400,3600,1800,1800",
+        help="seconds for the tests, the sweep, the A/B (and sequence parallelism), the vLLM step (a fourth "
+        "left out: 1800) and sampling ahead (a fifth left out: 0); 0 leaves a step out",
     )
     parser.add_argument("--dry-run", action="store_true", help="print every step's command; run nothing")
     args = parser.parse_args()
     given = [int(t) for t in args.timeouts.split(",")]
-    test_s, sweep_s, ab_s, vllm_s = (given + [1800])[:4]
+    defaults = [1800, 0]  # the vLLM step's and sampling ahead's, when --timeouts leaves them out
+    test_s, sweep_s, ab_s, vllm_s, ahead_s = (given + defaults[len(given) - 3 :])[:5]
     timeouts = {"GPU tests": test_s, "kernel sweep": sweep_s, "training A/B": ab_s, "sequence parallelism": ab_s,
-                VLLM_STEP: vllm_s}  # fmt: skip
+                VLLM_STEP: vllm_s, AHEAD_STEP: ahead_s}  # fmt: skip
     if args.dry_run:
         return dry_run(args, timeouts)
 
@@ -302,6 +308,15 @@ def main() -> int:
     print(f"gpu_report: {VLLM_STEP}", flush=True)
     if not left_out(VLLM_STEP, f"## {VLLM_STEP}"):
         report += [f"## {VLLM_STEP}", "", *vllm_step(steps, vllm_s, failed, not_run), ""]
+    write()
+
+    print(f"gpu_report: {AHEAD_STEP}", flush=True)
+    if not left_out(AHEAD_STEP, f"## {AHEAD_STEP}"):
+        code, out, secs = run(steps[AHEAD_STEP], ahead_s)
+        report += [f"## {AHEAD_STEP}", "", f"`{shlex.join(steps[AHEAD_STEP][1:])}` ({secs:.0f} s, exit {code}):", "",
+                   *out.strip().splitlines()[-12:], ""]  # fmt: skip
+        if code != 0:
+            failed.append(AHEAD_STEP)
     write(final=True)
     print(f"gpu_report: wrote {path}" + (f" (failed: {', '.join(failed)})" if failed else ""))
     return 1 if failed else 0

@@ -68,8 +68,10 @@ def test_dry_run_lists_the_vllm_step_against_trl_last(tmp_path):
     lines = _dry_run(tmp_path)
     titles = [line.split(",")[0].split(" (")[0] for line in lines if line.startswith("- ")]
     assert titles == ["- GPU tests", "- kernel sweep", "- training A/B", "- sequence parallelism", "- TRL check",
-                      "- TRL install", "- GRPO step: vLLM engine vs TRL use_vllm"]  # fmt: skip
-    step = lines[-1].split()
+                      "- TRL install", "- GRPO step: vLLM engine vs TRL use_vllm", "- sampling ahead on vLLM"]  # fmt: skip
+    ahead = lines[-1].split()
+    assert ahead[1:5] == ["bench/async_rl.py", "--engine", "vllm", "--recipes"]
+    step = lines[-3].split()
     assert step[1:3] == ["bench/grpo_vs_trl.py", "--vllm"] and "--trl-vllm" in step
     assert step[step.index("--model-config") + 1] == "recipes/bench/llama-3.2-1b.json"
     trl_python = step[step.index("--trl-python") + 1]
@@ -81,8 +83,12 @@ def test_dry_run_lists_the_vllm_step_against_trl_last(tmp_path):
 
 def test_dry_run_says_which_steps_zero_timeouts_leave_out(tmp_path):
     lines = [line for line in _dry_run(tmp_path, "--timeouts", "0,0,0,540") if line.startswith("- ")]
-    assert [line.endswith("LEFT OUT: --timeouts gives it 0 s") for line in lines] == [True] * 4 + [False] * 3
-    assert lines[-1].endswith("limit 540 s:")
+    assert [line.endswith("LEFT OUT: --timeouts gives it 0 s") for line in lines] == [True] * 4 + [
+        False
+    ] * 3 + [True]
+    assert lines[-2].endswith("limit 540 s:")  # sampling ahead: only when a fifth limit is given
+    lines = [line for line in _dry_run(tmp_path, "--timeouts", "0,0,0,300,240") if line.startswith("- ")]
+    assert lines[-1].endswith("limit 240 s:")
 
 
 def test_gpu_script_dry_run_without_a_gpu_says_what_it_would_run(tmp_path):
@@ -104,5 +110,5 @@ def test_gpu_script_dry_run_without_a_gpu_says_what_it_would_run(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[0] == f"bench/gpu.sh --dry-run: no set-up (LIGER_PYTHON={sys.executable})"
-    assert "--trl-vllm" in done.stdout.splitlines()[-1]
+    assert "--trl-vllm" in done.stdout.splitlines()[-3] and "bench/async_rl.py" in done.stdout.splitlines()[-1]
     assert not (tmp_path / "out").exists()

@@ -305,7 +305,8 @@ def test_sampling_ahead_names_each_batch_s_policy_and_fsdp2_equals_one_process(s
     """rl.max_staleness 1 on the server: each batch's requests name the adapter of the version that samples
     it (step s: version s - 2, the starting weights for the first two), the trainer scores every sampled
     token within 1e-5 of the server with that version's weights, and the server keeps no adapter of the
-    run when it ends. 2 processes under FSDP-2 (the shards gathered for each push) train what 1 does."""
+    run when it ends. 2 processes under FSDP-2 (the shards gathered for each push) train what 1 does; the
+    run stopped after step 2 and resumed serves version 1 again for step 3 and ends as the whole run."""
     runs = {"one": [], "two": ["--set", "training.micro_batch_size=2", "--set", "distributed.backend=fsdp2",
                                "--set", "distributed.num_processes=2"]}  # fmt: skip
     adapters = lambda: {m["id"] for m in json.loads(urllib.request.urlopen(server + "/v1/models", timeout=30).read())["data"]  # noqa: E731
@@ -326,7 +327,20 @@ def test_sampling_ahead_names_each_batch_s_policy_and_fsdp2_equals_one_process(s
     ]
     got, want = (load_file(tmp_path / n / "final" / "adapter_model.safetensors") for n in ("two", "one"))
     assert got.keys() == want.keys() and all((got[k] - want[k]).abs().max() < 1e-5 for k in want)
-    assert adapters() == before  # every adapter of both runs unloaded
+    # Stopped after step 2 and resumed: the checkpoint's snapshot of version 1 is served again for step 3.
+    stopped = grpo_recipe(tmp_path, "stopped", vllm={"server": server}, max_staleness=1)
+    proc = liger("train", str(stopped), "--set", "training.max_steps=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = liger("train", str(stopped), "--set", "output.resume=auto", "--set", "output.overwrite=false")
+    assert proc.returncode == 0 and "resumed from" in proc.stdout, proc.stderr[-3000:]
+    assert all(m["sampler/abs_logp_diff"] < 1e-5 for m in steps(tmp_path / "stopped"))
+    again = [json.loads(line) for line in (tmp_path / "stopped" / "rollouts.jsonl").open()]
+    assert [(key(r), r["completion_ids"]) for r in again] == [
+        (key(r), r["completion_ids"]) for r in rows["one"]
+    ]
+    got = load_file(tmp_path / "stopped" / "final" / "adapter_model.safetensors")
+    assert all((got[k] - want[k]).abs().max() < 1e-6 for k in want)
+    assert adapters() == before  # every adapter of every run unloaded
 
 
 @pytest.mark.parametrize("fault", ["skip_update", "wrong_adapter"])
