@@ -110,5 +110,7 @@ def test_gpu_script_dry_run_without_a_gpu_says_what_it_would_run(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[0] == f"bench/gpu.sh --dry-run: no set-up (LIGER_PYTHON={sys.executable})"
-    assert "--trl-vllm" in done.stdout.splitlines()[-3] and "bench/async_rl.py" in done.stdout.splitlines()[-1]
+    assert (
+        "--trl-vllm" in done.stdout.splitlines()[-3] and "bench/async_rl.py" in done.stdout.splitlines()[-1]
+    )
     assert not (tmp_path / "out").exists()
