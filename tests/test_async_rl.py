@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -162,7 +164,7 @@ def test_a_row_older_than_the_bound_is_dropped_with_its_group_and_counted(runs) 
 
 def test_a_sampler_that_fails_stops_the_run_in_one_line_keeping_the_checkpoint(runs) -> None:
     proc = runs["procs"]["crash"]
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert errors == [
         "error: the background sampler failed on the batch of step 4 (RuntimeError: the test hook sampler_crash); "
@@ -191,3 +193,27 @@ def test_resuming_with_another_bound_is_refused(runs) -> None:
     proc = liger_here(*train(done(runs, "whole"), "training.max_steps=5", "output.resume=auto",
                              "output.overwrite=false"))  # fmt: skip
     assert "rl.max_staleness differs (checkpoint: 1, recipe: null)" in one_line_error(proc)
+
+
+def test_the_bench_reports_each_bound_side_by_side(tmp_path) -> None:
+    """bench/async_rl.py (what docs/rl.md's figures come from) runs K = 0 and 1 for 2 steps and reports
+    each run's steps per hour, waits and held-out reward by step and training time, from its metrics."""
+    out = tmp_path / "async.json"
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "async_rl.py"), "--recipes", "grpo", "--steps", "2",
+                           "--eval-every", "2", "--staleness", "0", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert [(r["recipe"], r["max_staleness"], r["steps"]) for r in results] == [
+        ("grpo", 0, 2),
+        ("grpo", 1, 2),
+    ]
+    for r in results:
+        assert [c["step"] for c in r["curve"]] == [0, 2] and r["curve"][0]["eval_reward"] == 0.47
+        assert (
+            r["train_s"] > 0 and abs(r["steps_per_hour"] - 7200 / r["train_s"]) <= 0.1 * r["steps_per_hour"]
+        )
+    # K = 1 waits for its first batch, sampled in the background while nothing else runs
+    assert results[0]["wait_s_per_step"] == 0 and results[1]["wait_s_per_step"] > 0
+    table = proc.stdout.splitlines()
+    assert table[0].startswith("| recipe | K |") and len(table) == 4 and "| 1.00x |" in table[2]
