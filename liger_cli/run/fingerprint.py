@@ -68,10 +68,8 @@ def check_same_run(checkpoint: Path, found: dict) -> None:
             f"cannot resume {checkpoint}: it has no readable {FINGERPRINT_FILE} (what the run depends on); "
             "start a new run in another output.dir"
         ) from None
-    for field in [
-        *found,
-        *(f for f in recorded if f not in found),
-    ]:  # a field only one of them has differs too
+    only_recorded = [f for f in recorded if f not in found]  # a field only the checkpoint has differs too
+    for field in [*found, *only_recorded]:
         value = found.get(field)
         if recorded.get(field) != value:
             raise UserError(
